@@ -1,0 +1,42 @@
+// EngineConfig: everything that fixes the shape of the cache and the limits of requests.
+// Built once at start (the server fills it from flags) and immutable afterwards.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "kernels/numeric.h"
+#include "kernels/select_types.h"
+
+namespace indexer::engine {
+
+struct EngineConfig {
+  int head_dim = 128;                  // 64, 128 or 256
+  int layers = 1;                      // caches sharing each sequence's block table
+  kernels::KeyStorage key_storage = kernels::KeyStorage::kBf16;
+  int64_t capacity_pages = 8192;       // pages in the pool (each holds one block, every layer)
+  int max_index_heads = 16;            // H limit per request
+  int max_topk = 256;                  // topk limit per request
+  kernels::SelectParams defaults;      // topk / init_blocks / local_blocks when a request omits them
+  kernels::PageTableParams page_table; // pages_per_block, block_page_stride
+  int64_t max_tokens_per_sequence = int64_t{1} << 20;
+  int max_query_tokens = 16384;        // n limit of one select span
+  int max_batch_items = 4096;          // items of one Batch call
+  int cpu_threads = 0;                 // CPU backend workers; 0 = hardware concurrency
+
+  // Bytes one page occupies across all layers.
+  int64_t BytesPerPage() const {
+    return int64_t{kernels::kBlockSize} * head_dim * kernels::KeyStorageBytes(key_storage) * layers;
+  }
+  int64_t MaxBlocksPerSequence() const {
+    return (max_tokens_per_sequence + kernels::kBlockSize - 1) / kernels::kBlockSize;
+  }
+
+  // INVALID_ARGUMENT naming the first setting out of range, else OK.
+  absl::Status Validate() const;
+};
+
+const char* KeyStorageName(kernels::KeyStorage s);
+
+}  // namespace indexer::engine

@@ -1,0 +1,124 @@
+#include "engine/cpu_backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu_reference.h"
+
+namespace indexer::engine {
+namespace {
+
+using kernels::kBlockSize;
+
+int WorkerCount(const EngineConfig& config) {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int n = config.cpu_threads > 0 ? config.cpu_threads : hw;
+  return n - 1;  // the calling thread works too
+}
+
+// Blocks scored by one unit of work: about a million multiply-adds, so that units are big enough
+// to amortise scheduling and small enough to spread one long sequence over every core.
+int64_t BlocksPerUnit(int rows, int head_dim) {
+  const int64_t macs_per_block = int64_t{rows} * kBlockSize * head_dim;
+  return std::max<int64_t>(1, (int64_t{1} << 20) / macs_per_block);
+}
+
+}  // namespace
+
+CpuBackend::CpuBackend(const EngineConfig& config)
+    : config_(config),
+      layer_bytes_(config.capacity_pages * kBlockSize * config.head_dim *
+                   kernels::KeyStorageBytes(config.key_storage)),
+      storage_(new uint8_t[static_cast<size_t>(layer_bytes_) * config.layers]),
+      pool_(WorkerCount(config)) {}
+
+std::string CpuBackend::device() const { return absl::StrCat(pool_.size() + 1, " threads"); }
+
+kernels::KeyPoolView CpuBackend::LayerView(int layer) const {
+  return kernels::KeyPoolView{storage_.get() + layer * layer_bytes_, config_.key_storage,
+                              config_.head_dim};
+}
+
+absl::Status CpuBackend::WriteKeys(const KeyWrite& w) {
+  const int d = config_.head_dim;
+  const int elem = kernels::KeyStorageBytes(config_.key_storage);
+  for (int64_t j = 0; j < w.num_tokens; ++j) {
+    for (int l = 0; l < w.layer_count; ++l) {
+      const int64_t t = w.layer_start[l] + j;
+      const int64_t slot = int64_t{w.block_table[t / kBlockSize]} * kBlockSize + t % kBlockSize;
+      const uint16_t* src = w.keys + (j * w.layer_count + l) * d;
+      uint8_t* dst = storage_.get() + (w.layer_begin + l) * layer_bytes_ + slot * d * elem;
+      if (config_.key_storage == kernels::KeyStorage::kBf16) {
+        std::memcpy(dst, src, static_cast<size_t>(d) * 2);
+      } else {
+        for (int i = 0; i < d; ++i) dst[i] = kernels::FloatToFp8E4M3(kernels::Bf16ToFloat(src[i]));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CopyPage(int32_t src, int32_t dst) {
+  const int64_t page_bytes = layer_bytes_ / config_.capacity_pages;
+  for (int l = 0; l < config_.layers; ++l) {
+    uint8_t* base = storage_.get() + l * layer_bytes_;
+    std::memcpy(base + dst * page_bytes, base + src * page_bytes, page_bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Select(std::span<const SelectTask> tasks,
+                                const kernels::PageTableParams& page_table) {
+  // Phase 1: raw block scores, split into units of blocks across every task.
+  struct Unit {
+    size_t task;
+    int64_t block_begin, block_end;
+  };
+  std::vector<std::vector<float>> raw(tasks.size());
+  std::vector<int64_t> v_max(tasks.size());
+  std::vector<Unit> units;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const auto& s = tasks[i].span;
+    const int rows = s.num_tokens * s.num_heads;
+    v_max[i] = kernels::VisibleBlocks(s.start_pos + s.num_tokens - 1);
+    raw[i].resize(static_cast<size_t>(rows) * v_max[i]);
+    const int64_t step = BlocksPerUnit(rows, config_.head_dim);
+    for (int64_t b = 0; b < v_max[i]; b += step) {
+      units.push_back({i, b, std::min(b + step, v_max[i])});
+    }
+  }
+  pool_.ParallelFor(static_cast<int64_t>(units.size()), [&](int64_t u) {
+    const Unit& unit = units[u];
+    const SelectTask& task = tasks[unit.task];
+    kernels::ScoreBlocks(LayerView(task.layer), task.span, unit.block_begin, unit.block_end,
+                         raw[unit.task].data(), v_max[unit.task]);
+  });
+
+  // Phase 2: top-k and page-table rows, one (task, token, head) row at a time.
+  std::vector<std::pair<size_t, int>> rows;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const int n = tasks[i].span.num_tokens * tasks[i].span.num_heads;
+    for (int r = 0; r < n; ++r) rows.emplace_back(i, r);
+  }
+  pool_.ParallelFor(static_cast<int64_t>(rows.size()), [&](int64_t j) {
+    const auto [i, row] = rows[j];
+    const kernels::SpanSelect& s = tasks[i].span;
+    const int64_t pos = s.start_pos + row / s.num_heads;
+    const int k = s.params.topk;
+    thread_local std::vector<uint64_t> scratch;
+    scratch.resize(v_max[i]);
+    int32_t* ids = s.block_ids + int64_t{row} * k;
+    kernels::SelectFromScores(&raw[i][static_cast<size_t>(row) * v_max[i]],
+                              kernels::VisibleBlocks(pos), s.params, scratch.data(), ids);
+    if (s.attn_pages != nullptr) {
+      kernels::BuildPageTableRow(ids, k, pos, s.attn_pages, page_table,
+                                 s.page_table + int64_t{row} * k * page_table.pages_per_block,
+                                 s.context_lens + row);
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace indexer::engine

@@ -1,0 +1,525 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "engine/status_macros.h"
+
+namespace indexer::engine {
+namespace {
+
+using kernels::kBlockSize;
+
+constexpr size_t kMaxIdBytes = 256;
+// init/local block counts past any sequence's block count mean "every block"; clamping keeps
+// arithmetic in int.
+constexpr int64_t kMaxForcedBlocks = int64_t{1} << 30;
+
+int64_t BlocksFor(int64_t tokens) { return (tokens + kBlockSize - 1) / kBlockSize; }
+
+absl::Status CheckId(absl::string_view id, absl::string_view field) {
+  if (id.empty() || id.size() > kMaxIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " has ", id.size(),
+                                                   " bytes; it must have 1 to ", kMaxIdBytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRange(absl::string_view field, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " is ", value, "; it must be in [", lo, ", ", hi, "]"));
+  }
+  return absl::OkStatus();
+}
+
+// The sequence's state before an append, to undo it when the selection that follows fails.
+struct AppendUndo {
+  std::vector<int64_t> lengths;
+  size_t pages = 0;
+  size_t attn_pages = 0;
+  bool attn_decided = false;
+};
+
+}  // namespace
+
+absl::Status CallControl::Check() const {
+  if (cancelled && cancelled()) return absl::CancelledError("the call was cancelled");
+  if (absl::Now() > deadline) {
+    return absl::DeadlineExceededError("the call's deadline passed before it was applied");
+  }
+  return absl::OkStatus();
+}
+
+struct Engine::PreparedAppend {
+  int layer_begin = 0;
+  int layer_count = 1;
+  int64_t num_tokens = 0;
+  std::vector<uint16_t> keys;
+  std::vector<int32_t> attn;
+};
+
+struct Engine::PreparedStep {
+  size_t index = 0;
+  absl::string_view sequence_id;
+  int layer = 0;
+  bool has_append = false;
+  PreparedAppend append;
+  bool has_select = false;
+  std::optional<int64_t> start_position;
+  int num_heads = 0;
+  int num_tokens = 0;
+  std::vector<uint16_t> queries;
+  kernels::SelectParams params;
+  // Set while the step runs.
+  std::shared_ptr<Sequence> seq;
+  bool created = false;
+  int64_t start_pos = 0;
+};
+
+Engine::Engine(const EngineConfig& config, std::unique_ptr<KeyCacheBackend> backend)
+    : config_(config), backend_(std::move(backend)), pool_(config.capacity_pages) {}
+
+absl::Status Engine::PrepareAppend(const AppendRequest& r, absl::string_view step_sequence_id,
+                                   PreparedAppend* out) const {
+  if (!r.sequence_id.empty() && r.sequence_id != step_sequence_id) {
+    return absl::InvalidArgumentError(absl::StrCat("append.sequence_id '", r.sequence_id,
+                                                   "' differs from the request's sequence_id '",
+                                                   step_sequence_id, "'"));
+  }
+  if (r.all_layers) {
+    out->layer_begin = 0;
+    out->layer_count = config_.layers;
+  } else {
+    INDEXER_RETURN_IF_ERROR(CheckRange("layer", r.layer, 0, config_.layers - 1));
+    out->layer_begin = static_cast<int>(r.layer);
+    out->layer_count = 1;
+  }
+  const int64_t row = int64_t{out->layer_count} * config_.head_dim;
+  INDEXER_RETURN_IF_ERROR(DecodeRows(r.keys, r.dtype, row, "keys", &out->keys, &out->num_tokens));
+  if (out->num_tokens > config_.max_tokens_per_sequence) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("keys hold ", out->num_tokens, " tokens; max_tokens_per_sequence is ",
+                     config_.max_tokens_per_sequence));
+  }
+  const int64_t max_attn =
+      (int64_t{std::numeric_limits<int32_t>::max()} - config_.page_table.pages_per_block + 1) /
+      config_.page_table.block_page_stride;
+  for (size_t i = 0; i < r.attention_pages.size(); ++i) {
+    INDEXER_RETURN_IF_ERROR(
+        CheckRange(absl::StrCat("attention_pages[", i, "]"), r.attention_pages[i], 0, max_attn));
+  }
+  out->attn.assign(r.attention_pages.begin(), r.attention_pages.end());
+  return absl::OkStatus();
+}
+
+absl::Status Engine::PrepareStep(const StepRequest& r, PreparedStep* out) const {
+  INDEXER_RETURN_IF_ERROR(CheckId(r.sequence_id, "sequence_id"));
+  INDEXER_RETURN_IF_ERROR(CheckRange("layer", r.layer, 0, config_.layers - 1));
+  out->sequence_id = r.sequence_id;
+  out->layer = static_cast<int>(r.layer);
+  out->has_append = r.append.has_value();
+  if (out->has_append) INDEXER_RETURN_IF_ERROR(PrepareAppend(*r.append, r.sequence_id, &out->append));
+  out->has_select = !r.queries.empty();
+  if (!out->has_select) {
+    if (!out->has_append) {
+      return absl::InvalidArgumentError("queries is empty and there is no append: nothing to do");
+    }
+    return absl::OkStatus();
+  }
+  INDEXER_RETURN_IF_ERROR(CheckRange("num_heads", r.num_heads, 1, config_.max_index_heads));
+  out->num_heads = static_cast<int>(r.num_heads);
+  int64_t n = 0;
+  INDEXER_RETURN_IF_ERROR(DecodeRows(r.queries, r.query_dtype, r.num_heads * config_.head_dim,
+                                     "queries", &out->queries, &n));
+  INDEXER_RETURN_IF_ERROR(CheckRange("query tokens (queries rows)", n, 1, config_.max_query_tokens));
+  out->num_tokens = static_cast<int>(n);
+  if (r.start_position && *r.start_position < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("start_position is ", *r.start_position, "; it must be >= 0"));
+  }
+  out->start_position = r.start_position;
+  const int64_t topk = r.topk.value_or(config_.defaults.topk);
+  INDEXER_RETURN_IF_ERROR(CheckRange("topk", topk, 1, config_.max_topk));
+  const int64_t init = r.init_blocks.value_or(config_.defaults.init_blocks);
+  const int64_t local = r.local_blocks.value_or(config_.defaults.local_blocks);
+  INDEXER_RETURN_IF_ERROR(CheckRange("init_blocks", init, 0, std::numeric_limits<int64_t>::max()));
+  INDEXER_RETURN_IF_ERROR(CheckRange("local_blocks", local, 0, std::numeric_limits<int64_t>::max()));
+  out->params.topk = static_cast<int>(topk);
+  out->params.init_blocks = static_cast<int>(std::min(init, kMaxForcedBlocks));
+  out->params.local_blocks = static_cast<int>(std::min(local, kMaxForcedBlocks));
+  return absl::OkStatus();
+}
+
+absl::Status Engine::CheckSpan(const Sequence& seq, PreparedStep& step) const {
+  int64_t len = seq.lengths[step.layer];
+  if (step.has_append && step.layer >= step.append.layer_begin &&
+      step.layer < step.append.layer_begin + step.append.layer_count) {
+    len += step.append.num_tokens;
+  }
+  const int64_t n = step.num_tokens;
+  const int64_t p0 = step.start_position.value_or(len - n);
+  if (p0 < 0 || p0 + n > len) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the query span [", p0, ", ", p0 + n, ") of sequence '", seq.id,
+        "' is not inside layer ", step.layer, "'s ", len,
+        " tokens; every position must be < the layer's length"));
+  }
+  step.start_pos = p0;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::ApplyAppend(Sequence& seq, const PreparedAppend& a) {
+  std::vector<int64_t> lengths = seq.lengths;
+  for (int l = a.layer_begin; l < a.layer_begin + a.layer_count; ++l) {
+    lengths[l] += a.num_tokens;
+    if (lengths[l] > config_.max_tokens_per_sequence) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "sequence '", seq.id, "' would hold ", lengths[l], " tokens in layer ", l,
+          "; max_tokens_per_sequence is ", config_.max_tokens_per_sequence));
+    }
+  }
+  const int64_t needed = BlocksFor(*std::max_element(lengths.begin(), lengths.end()));
+  const int64_t old_blocks = static_cast<int64_t>(seq.pages.size());
+  const int64_t fresh = needed - old_blocks;
+  const bool has_attn = seq.attn_decided ? seq.has_attn_pages : !a.attn.empty();
+  if (has_attn && static_cast<int64_t>(a.attn.size()) != fresh) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention_pages has ", a.attn.size(), " ids; this append opens ", fresh,
+        " new blocks of sequence '", seq.id, "', which has attention pages, so it needs ", fresh));
+  }
+  if (!has_attn && !a.attn.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence '", seq.id, "' was created without attention pages; attention_pages must be empty"));
+  }
+
+  // Existing pages this append writes into that another sequence shares: copy them first.
+  std::vector<int64_t> cow_blocks;
+  for (int l = a.layer_begin; l < a.layer_begin + a.layer_count; ++l) {
+    const int64_t last = std::min(BlocksFor(lengths[l]), old_blocks);
+    for (int64_t b = seq.lengths[l] / kBlockSize; b < last; ++b) {
+      if (pool_.RefCount(seq.pages[b]) > 1 &&
+          std::find(cow_blocks.begin(), cow_blocks.end(), b) == cow_blocks.end()) {
+        cow_blocks.push_back(b);
+      }
+    }
+  }
+  absl::StatusOr<std::vector<int32_t>> fresh_pages =
+      pool_.Allocate(fresh + static_cast<int64_t>(cow_blocks.size()));
+  if (!fresh_pages.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("append to sequence '", seq.id, "': ", fresh_pages.status().message()));
+  }
+  const std::vector<int32_t>& got = *fresh_pages;
+  std::vector<int32_t> table = seq.pages;
+  table.resize(needed);
+  for (size_t i = 0; i < cow_blocks.size(); ++i) table[cow_blocks[i]] = got[i];
+  for (int64_t j = 0; j < fresh; ++j) table[old_blocks + j] = got[cow_blocks.size() + j];
+
+  // Until the commit below, everything written lands in pages only this call holds or in
+  // positions past the sequence's lengths, so a failure leaves the sequence as it was.
+  absl::Status status;
+  for (size_t i = 0; i < cow_blocks.size() && status.ok(); ++i) {
+    status = backend_->CopyPage(seq.pages[cow_blocks[i]], got[i]);
+  }
+  std::vector<int64_t> starts(seq.lengths.begin() + a.layer_begin,
+                              seq.lengths.begin() + a.layer_begin + a.layer_count);
+  if (status.ok()) {
+    status = backend_->WriteKeys(KeyWrite{table.data(), a.num_tokens, a.layer_begin,
+                                          a.layer_count, starts.data(), a.keys.data()});
+  }
+  if (!status.ok()) {
+    pool_.Release(got);
+    return status;
+  }
+  for (int64_t b : cow_blocks) {
+    const int32_t old = seq.pages[b];
+    pool_.Release(std::span<const int32_t>(&old, 1));
+  }
+  seq.pages = std::move(table);
+  seq.lengths = std::move(lengths);
+  if (!seq.attn_decided) {
+    seq.attn_decided = true;
+    seq.has_attn_pages = has_attn;
+  }
+  seq.attn_pages.insert(seq.attn_pages.end(), a.attn.begin(), a.attn.end());
+  return absl::OkStatus();
+}
+
+void Engine::RunWave(std::span<PreparedStep*> wave,
+                     std::vector<absl::StatusOr<StepResult>>& results) {
+  // Resolve and lock the wave's sequences (distinct by construction) in address order, so that
+  // concurrent waves cannot deadlock. A sequence released between lookup and lock is looked up
+  // again: an append then creates it anew.
+  std::vector<PreparedStep*> pending(wave.begin(), wave.end());
+  std::vector<PreparedStep*> live;
+  std::vector<std::unique_lock<std::mutex>> locks;
+  for (int attempt = 0;; ++attempt) {
+    live.clear();
+    for (PreparedStep* s : pending) {
+      if (s->seq == nullptr) {
+        if (s->has_append) {
+          bool created = false;
+          s->seq = sequences_.FindOrCreate(s->sequence_id, config_.layers, &created);
+          s->created = s->created || created;
+        } else {
+          s->seq = sequences_.Find(s->sequence_id);
+        }
+      }
+      if (s->seq == nullptr) {
+        results[s->index] =
+            absl::NotFoundError(absl::StrCat("sequence '", s->sequence_id, "' does not exist"));
+        continue;
+      }
+      live.push_back(s);
+    }
+    std::sort(live.begin(), live.end(),
+              [](PreparedStep* a, PreparedStep* b) { return a->seq.get() < b->seq.get(); });
+    for (PreparedStep* s : live) locks.emplace_back(s->seq->mu);
+    bool stale = false;
+    for (PreparedStep* s : live) stale = stale || s->seq->released;
+    if (!stale || attempt == 2) break;
+    locks.clear();
+    for (PreparedStep* s : live) {
+      if (s->seq->released) s->seq = nullptr;
+    }
+    pending = live;
+  }
+
+  std::vector<SelectTask> tasks;
+  std::vector<PreparedStep*> selecting;
+  std::vector<AppendUndo> undo;
+  for (PreparedStep* s : live) {
+    Sequence& seq = *s->seq;
+    absl::Status status;
+    if (seq.released) {
+      status = absl::NotFoundError(absl::StrCat("sequence '", s->sequence_id, "' does not exist"));
+    }
+    if (status.ok() && s->has_select) status = CheckSpan(seq, *s);
+    AppendUndo before{seq.lengths, seq.pages.size(), seq.attn_pages.size(), seq.attn_decided};
+    if (status.ok() && s->has_append) status = ApplyAppend(seq, s->append);
+    if (!status.ok()) {
+      results[s->index] = status;
+      if (s->created && !seq.released && seq.Empty() && sequences_.EraseIfSame(s->seq)) {
+        seq.released = true;
+      }
+      continue;
+    }
+    StepResult r;
+    r.created = s->created;
+    r.lengths = seq.lengths;
+    r.num_blocks = static_cast<int64_t>(seq.pages.size());
+    if (s->has_select) {
+      r.num_tokens = s->num_tokens;
+      r.num_heads = s->num_heads;
+      r.topk = s->params.topk;
+      r.start_position = s->start_pos;
+      const int64_t rows = int64_t{s->num_tokens} * s->num_heads;
+      r.block_ids.resize(rows * s->params.topk);
+      SelectTask task;
+      task.layer = s->layer;
+      kernels::SpanSelect& span = task.span;
+      span.block_table = seq.pages.data();
+      span.start_pos = s->start_pos;
+      span.num_tokens = s->num_tokens;
+      span.num_heads = s->num_heads;
+      span.queries = s->queries.data();
+      span.params = s->params;
+      if (seq.has_attn_pages) {
+        r.page_table.resize(rows * s->params.topk * config_.page_table.pages_per_block);
+        r.context_lens.resize(rows);
+        span.attn_pages = seq.attn_pages.data();
+      }
+      results[s->index] = std::move(r);
+      StepResult& placed = *results[s->index];
+      span.block_ids = placed.block_ids.data();
+      span.page_table = placed.page_table.empty() ? nullptr : placed.page_table.data();
+      span.context_lens = placed.context_lens.empty() ? nullptr : placed.context_lens.data();
+      tasks.push_back(task);
+      selecting.push_back(s);
+      undo.push_back(std::move(before));
+    } else {
+      results[s->index] = std::move(r);
+    }
+  }
+  if (tasks.empty()) return;
+  const absl::Status status = backend_->Select(tasks, config_.page_table);
+  if (status.ok()) return;
+  // The selection failed: take back the appends of the failed steps so nothing is half-applied.
+  for (size_t i = 0; i < selecting.size(); ++i) {
+    PreparedStep* s = selecting[i];
+    Sequence& seq = *s->seq;
+    const AppendUndo& u = undo[i];
+    if (seq.pages.size() > u.pages) {
+      pool_.Release(std::span<const int32_t>(seq.pages.data() + u.pages, seq.pages.size() - u.pages));
+      seq.pages.resize(u.pages);
+    }
+    seq.lengths = u.lengths;
+    seq.attn_pages.resize(u.attn_pages);
+    seq.attn_decided = u.attn_decided;
+    if (!u.attn_decided) seq.has_attn_pages = false;
+    if (s->created && seq.Empty() && sequences_.EraseIfSame(s->seq)) seq.released = true;
+    results[s->index] = status;
+  }
+}
+
+std::vector<absl::StatusOr<StepResult>> Engine::Batch(std::span<const StepRequest> items,
+                                                      const CallControl& control) {
+  std::vector<absl::StatusOr<StepResult>> results(items.size(),
+                                                  absl::InternalError("step was not run"));
+  if (static_cast<int64_t>(items.size()) > config_.max_batch_items) {
+    const absl::Status too_many = absl::InvalidArgumentError(absl::StrCat(
+        "the batch has ", items.size(), " items; max_batch_items is ", config_.max_batch_items));
+    for (auto& r : results) r = too_many;
+    return results;
+  }
+  std::vector<PreparedStep> steps(items.size());
+  std::vector<PreparedStep*> ready;
+  for (size_t i = 0; i < items.size(); ++i) {
+    steps[i].index = i;
+    const absl::Status status = PrepareStep(items[i], &steps[i]);
+    if (status.ok()) {
+      ready.push_back(&steps[i]);
+    } else {
+      results[i] = status;
+    }
+  }
+  // Waves: maximal runs of items on distinct sequences, so a sequence's steps apply in order.
+  size_t begin = 0;
+  while (begin < ready.size()) {
+    absl::flat_hash_set<absl::string_view> ids;
+    size_t end = begin;
+    while (end < ready.size() && ids.insert(ready[end]->sequence_id).second) ++end;
+    const absl::Status status = control.Check();
+    if (!status.ok()) {
+      for (size_t i = begin; i < ready.size(); ++i) results[ready[i]->index] = status;
+      break;
+    }
+    RunWave(std::span<PreparedStep*>(ready.data() + begin, end - begin), results);
+    begin = end;
+  }
+  return results;
+}
+
+absl::StatusOr<StepResult> Engine::Append(const AppendRequest& request,
+                                          const CallControl& control) {
+  StepRequest step;
+  step.sequence_id = request.sequence_id;
+  step.layer = request.all_layers ? 0 : request.layer;
+  step.append = request;
+  return std::move(Batch(std::span<const StepRequest>(&step, 1), control)[0]);
+}
+
+absl::StatusOr<StepResult> Engine::Select(const StepRequest& request, const CallControl& control) {
+  if (request.queries.empty()) {
+    return absl::InvalidArgumentError("queries is empty; a selection needs at least one token");
+  }
+  return std::move(Batch(std::span<const StepRequest>(&request, 1), control)[0]);
+}
+
+absl::StatusOr<int64_t> Engine::Release(absl::string_view sequence_id) {
+  INDEXER_RETURN_IF_ERROR(CheckId(sequence_id, "sequence_id"));
+  std::shared_ptr<Sequence> seq = sequences_.Erase(sequence_id);
+  if (seq == nullptr) {
+    return absl::NotFoundError(absl::StrCat("sequence '", sequence_id, "' does not exist"));
+  }
+  std::lock_guard<std::mutex> lock(seq->mu);
+  seq->released = true;
+  const int64_t freed = pool_.Release(seq->pages);
+  seq->pages.clear();
+  return freed;
+}
+
+absl::StatusOr<TruncateResult> Engine::Truncate(absl::string_view sequence_id, int64_t length) {
+  INDEXER_RETURN_IF_ERROR(CheckId(sequence_id, "sequence_id"));
+  INDEXER_RETURN_IF_ERROR(CheckRange("length", length, 0, config_.max_tokens_per_sequence));
+  std::shared_ptr<Sequence> seq = sequences_.Find(sequence_id);
+  if (seq != nullptr) {
+    std::lock_guard<std::mutex> lock(seq->mu);
+    if (!seq->released) {
+      for (int64_t& len : seq->lengths) len = std::min(len, length);
+      const size_t keep = static_cast<size_t>(BlocksFor(seq->MaxLength()));
+      TruncateResult r;
+      if (seq->pages.size() > keep) {
+        r.pages_freed = pool_.Release(
+            std::span<const int32_t>(seq->pages.data() + keep, seq->pages.size() - keep));
+        seq->pages.resize(keep);
+      }
+      if (seq->attn_pages.size() > keep) seq->attn_pages.resize(keep);
+      r.lengths = seq->lengths;
+      r.num_blocks = static_cast<int64_t>(keep);
+      return r;
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("sequence '", sequence_id, "' does not exist"));
+}
+
+absl::StatusOr<ForkResult> Engine::Fork(absl::string_view source_id, absl::string_view target_id,
+                                        std::optional<int64_t> length) {
+  INDEXER_RETURN_IF_ERROR(CheckId(source_id, "source_id"));
+  INDEXER_RETURN_IF_ERROR(CheckId(target_id, "target_id"));
+  if (source_id == target_id) {
+    return absl::InvalidArgumentError("target_id must differ from source_id");
+  }
+  if (length) {
+    INDEXER_RETURN_IF_ERROR(CheckRange("length", *length, 0, config_.max_tokens_per_sequence));
+  }
+  std::shared_ptr<Sequence> src = sequences_.Find(source_id);
+  if (src == nullptr) {
+    return absl::NotFoundError(absl::StrCat("sequence '", source_id, "' does not exist"));
+  }
+  auto fork = std::make_shared<Sequence>(std::string(target_id), config_.layers);
+  {
+    std::lock_guard<std::mutex> lock(src->mu);
+    if (src->released) {
+      return absl::NotFoundError(absl::StrCat("sequence '", source_id, "' does not exist"));
+    }
+    for (int l = 0; l < config_.layers; ++l) {
+      fork->lengths[l] = std::min(src->lengths[l], length.value_or(src->lengths[l]));
+    }
+    const size_t keep = static_cast<size_t>(BlocksFor(fork->MaxLength()));
+    fork->pages.assign(src->pages.begin(), src->pages.begin() + keep);
+    fork->attn_decided = src->attn_decided;
+    fork->has_attn_pages = src->has_attn_pages;
+    if (src->has_attn_pages) {
+      fork->attn_pages.assign(src->attn_pages.begin(), src->attn_pages.begin() + keep);
+    }
+    // References are taken under the source's lock, so its pages cannot be freed meanwhile.
+    pool_.AddRef(fork->pages);
+  }
+  if (!sequences_.Insert(fork)) {
+    pool_.Release(fork->pages);
+    return absl::AlreadyExistsError(absl::StrCat("sequence '", target_id, "' already exists"));
+  }
+  ForkResult r;
+  r.lengths = fork->lengths;
+  r.num_blocks = static_cast<int64_t>(fork->pages.size());
+  r.pages_shared = r.num_blocks;
+  return r;
+}
+
+absl::StatusOr<SequenceInfo> Engine::Get(absl::string_view sequence_id) const {
+  INDEXER_RETURN_IF_ERROR(CheckId(sequence_id, "sequence_id"));
+  std::shared_ptr<Sequence> seq = sequences_.Find(sequence_id);
+  if (seq != nullptr) {
+    std::lock_guard<std::mutex> lock(seq->mu);
+    if (!seq->released) {
+      SequenceInfo info;
+      info.lengths = seq->lengths;
+      info.pages = seq->pages;
+      info.attention_pages = seq->attn_pages;
+      for (int32_t p : seq->pages) info.shared_pages += pool_.RefCount(p) > 1 ? 1 : 0;
+      return info;
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("sequence '", sequence_id, "' does not exist"));
+}
+
+EngineStats Engine::Stats() const {
+  return EngineStats{pool_.total_pages(), pool_.free_pages(),
+                     static_cast<int64_t>(sequences_.size())};
+}
+
+}  // namespace indexer::engine

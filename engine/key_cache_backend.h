@@ -1,0 +1,59 @@
+// KeyCacheBackend: where the key pages live and where selections run (CPU or CUDA).
+//
+// The engine owns all bookkeeping (PagePool, SequenceTable) and calls a backend only with
+// validated arguments for pages it has allocated. A backend may be called from many threads at
+// once; the engine guarantees that concurrent calls never write a page another call reads or
+// writes. Errors (for example a CUDA failure) are returned as INTERNAL statuses; a backend never
+// aborts the process.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "kernels/select_types.h"
+
+namespace indexer::engine {
+
+// Keys for `num_tokens` tokens of layers [layer_begin, layer_begin + layer_count) of one
+// sequence, as bf16 bits laid out [num_tokens][layer_count][head_dim]. Layer layer_begin + l
+// receives them at positions [layer_start[l], layer_start[l] + num_tokens); position t goes to
+// page block_table[t / 128], slot t % 128.
+struct KeyWrite {
+  const int32_t* block_table = nullptr;
+  int64_t num_tokens = 0;
+  int layer_begin = 0;
+  int layer_count = 1;
+  const int64_t* layer_start = nullptr;  // [layer_count]
+  const uint16_t* keys = nullptr;
+};
+
+// One span selection against one layer. `span`'s pointers are host memory.
+struct SelectTask {
+  int layer = 0;
+  kernels::SpanSelect span;
+};
+
+class KeyCacheBackend {
+ public:
+  virtual ~KeyCacheBackend() = default;
+
+  // "cpu" or "cuda".
+  virtual std::string name() const = 0;
+  // Human-readable device description for ServerInfo and logs.
+  virtual std::string device() const = 0;
+
+  // Stores keys, converting bf16 to the cache's storage type.
+  virtual absl::Status WriteKeys(const KeyWrite& write) = 0;
+
+  // Copies page `src` to page `dst` in every layer (copy-on-write of a shared page).
+  virtual absl::Status CopyPage(int32_t src, int32_t dst) = 0;
+
+  // Runs every task and fills its outputs. Tasks are independent; results must not depend on
+  // how tasks are grouped into calls.
+  virtual absl::Status Select(std::span<const SelectTask> tasks,
+                              const kernels::PageTableParams& page_table) = 0;
+};
+
+}  // namespace indexer::engine

@@ -1,0 +1,55 @@
+// Sequence and SequenceTable: the sequences the cache holds, by caller-chosen id.
+//
+// A Sequence's fields are guarded by its own mutex `mu`; the table's map by the table's mutex.
+// Lock order: never hold the table's mutex while waiting for a sequence's. A sequence removed
+// from the table is marked `released` (under `mu`) so that callers that found it earlier see it
+// is gone once they get its lock.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+
+namespace indexer::engine {
+
+struct Sequence {
+  Sequence(std::string sequence_id, int layers) : id(std::move(sequence_id)), lengths(layers, 0) {}
+
+  const std::string id;
+  std::mutex mu;
+  bool released = false;
+  std::vector<int64_t> lengths;       // tokens per layer
+  std::vector<int32_t> pages;         // cache page of each block
+  bool attn_decided = false;          // the first append decided has_attn_pages
+  bool has_attn_pages = false;
+  std::vector<int32_t> attn_pages;    // attention page of each block, when has_attn_pages
+
+  int64_t MaxLength() const;
+  bool Empty() const { return pages.empty() && MaxLength() == 0; }
+};
+
+class SequenceTable {
+ public:
+  // The sequence with this id, or nullptr.
+  std::shared_ptr<Sequence> Find(absl::string_view id) const;
+  // The sequence with this id, made (empty) when absent; *created says which.
+  std::shared_ptr<Sequence> FindOrCreate(absl::string_view id, int layers, bool* created);
+  // Adds `seq` unless its id is taken; returns false when taken.
+  bool Insert(std::shared_ptr<Sequence> seq);
+  // Removes the entry for `id`; returns it (nullptr when absent).
+  std::shared_ptr<Sequence> Erase(absl::string_view id);
+  // Removes `seq`'s entry only if the table still maps its id to this very object.
+  bool EraseIfSame(const std::shared_ptr<Sequence>& seq);
+  size_t size() const;
+
+ private:
+  mutable std::mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> map_;
+};
+
+}  // namespace indexer::engine

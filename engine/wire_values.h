@@ -1,0 +1,22 @@
+// Decoding of keys and queries as they arrive on the wire (packed little-endian bf16 or fp32)
+// into bf16 bits, with the checks SPEC.md requires: whole rows only, finite values only.
+#pragma once
+
+#include <cstdint>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace indexer::engine {
+
+enum class WireDtype { kUnspecified, kBf16, kFp32 };
+
+// Decodes `bytes` as rows of `row_values` values of `dtype`, rounding fp32 to bf16 (nearest,
+// ties to even), into *out (resized) and sets *rows. Returns INVALID_ARGUMENT naming `field` when
+// the dtype is unspecified, the bytes are empty or not a whole number of rows, or any value is
+// NaN, Inf, or (fp32) too large for bf16. On error *out and *rows are unspecified.
+absl::Status DecodeRows(absl::string_view bytes, WireDtype dtype, int64_t row_values,
+                        absl::string_view field, std::vector<uint16_t>* out, int64_t* rows);
+
+}  // namespace indexer::engine

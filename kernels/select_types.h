@@ -1,0 +1,50 @@
+// Plain descriptions of a selection, shared by the CPU reference, the backends and the CUDA
+// launchers. No behaviour here: see cpu_reference.h for what a selection computes.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/numeric.h"
+
+namespace indexer::kernels {
+
+// Per-request selection parameters (SPEC.md "Select").
+struct SelectParams {
+  int topk = 16;
+  int init_blocks = 0;
+  int local_blocks = 1;
+};
+
+// Shape of sparse attention page-table rows (SPEC.md "Sparse page table").
+struct PageTableParams {
+  int pages_per_block = 8;
+  int block_page_stride = 8;
+};
+
+// Read-only view of one layer's key pool: the element for page p, slot t (< kBlockSize),
+// dimension d sits at index (p * kBlockSize + t) * head_dim + d.
+struct KeyPoolView {
+  const void* data = nullptr;
+  KeyStorage storage = KeyStorage::kBf16;
+  int head_dim = 128;
+};
+
+// One span of query tokens of one sequence and where its answers go. All pointers are in the
+// memory of whoever runs the selection (host for the CPU, device for CUDA launchers).
+struct SpanSelect {
+  const int32_t* block_table = nullptr;  // cache page of each block, >= VisibleBlocks(last) entries
+  const int32_t* attn_pages = nullptr;   // attention page of each block, or nullptr
+  int64_t start_pos = 0;                 // p0
+  int num_tokens = 1;                    // n
+  int num_heads = 1;                     // H
+  const uint16_t* queries = nullptr;     // bf16 bits, [n][H][head_dim]
+  SelectParams params;
+  int32_t* block_ids = nullptr;     // out: [n][H][topk]
+  int32_t* page_table = nullptr;    // out: [n][H][topk * pages_per_block], when attn_pages
+  int32_t* context_lens = nullptr;  // out: [n][H], when attn_pages
+};
+
+// Blocks visible to a query at position p: V = floor(p / 128) + 1.
+inline constexpr int64_t VisibleBlocks(int64_t p) { return p / kBlockSize + 1; }
+
+}  // namespace indexer::kernels

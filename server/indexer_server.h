@@ -1,0 +1,50 @@
+// IndexerServer: a running indexer gRPC server (engine, backend, service, health checking and
+// reflection). main() runs one; end-to-end tests run one in-process on a loopback port.
+//
+// Start() returns once the server accepts calls. Shutdown() may be called once, from any thread.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "engine/engine.h"
+#include "server/indexer_service.h"
+#include "server/request_executor.h"
+#include "server/server_options.h"
+
+namespace indexer::server {
+
+class IndexerServer {
+ public:
+  // Builds the backend (per options.device), the engine and the gRPC server, binds and starts.
+  // Errors: those of the backend factory, or UNAVAILABLE when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<IndexerServer>> Start(const ServerOptions& options);
+
+  ~IndexerServer();
+
+  // The bound TCP port (useful with a listen address ending in :0).
+  int port() const { return port_; }
+  engine::Engine& engine() { return *engine_; }
+
+  // Graceful stop: health checks answer NOT_SERVING, new calls are refused, in-flight calls get
+  // up to `drain` to finish (then are cancelled), and the handler threads are joined.
+  void Shutdown(absl::Duration drain);
+
+ private:
+  IndexerServer() = default;
+
+  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<RequestExecutor> executor_;
+  std::unique_ptr<IndexerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  bool stopped_ = false;
+};
+
+// The version string reported by ServerInfo and --version.
+const char* Version();
+
+}  // namespace indexer::server

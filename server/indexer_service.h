@@ -1,0 +1,65 @@
+// IndexerService: the gRPC edge of the engine. It only translates protobuf <-> engine types and
+// absl::Status -> grpc::Status; every rule lives in the engine. Handlers run on a
+// RequestExecutor so that gRPC's callback threads never block.
+#pragma once
+
+#include "engine/engine.h"
+#include "indexer/v1/indexer.grpc.pb.h"
+#include "server/request_executor.h"
+
+namespace indexer::server {
+
+class IndexerService final : public indexer::v1::Indexer::CallbackService {
+ public:
+  // `engine` and `executor` must outlive the service and every call it serves.
+  IndexerService(engine::Engine* engine, RequestExecutor* executor, std::string version,
+                 int64_t max_message_bytes)
+      : engine_(engine),
+        executor_(executor),
+        version_(std::move(version)),
+        max_message_bytes_(max_message_bytes) {}
+
+  grpc::ServerUnaryReactor* AppendKeys(grpc::CallbackServerContext* ctx,
+                                       const v1::AppendKeysRequest* req,
+                                       v1::AppendKeysResponse* resp) override;
+  grpc::ServerUnaryReactor* SelectBlocks(grpc::CallbackServerContext* ctx,
+                                         const v1::SelectBlocksRequest* req,
+                                         v1::SelectBlocksResponse* resp) override;
+  grpc::ServerUnaryReactor* Batch(grpc::CallbackServerContext* ctx, const v1::BatchRequest* req,
+                                  v1::BatchResponse* resp) override;
+  grpc::ServerBidiReactor<v1::BatchRequest, v1::BatchResponse>* BatchStream(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* ctx,
+                                            const v1::ReleaseSequenceRequest* req,
+                                            v1::ReleaseSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* TruncateSequence(grpc::CallbackServerContext* ctx,
+                                             const v1::TruncateSequenceRequest* req,
+                                             v1::TruncateSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx,
+                                         const v1::ForkSequenceRequest* req,
+                                         v1::ForkSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx,
+                                        const v1::GetSequenceRequest* req,
+                                        v1::GetSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* ServerInfo(grpc::CallbackServerContext* ctx,
+                                       const v1::ServerInfoRequest* req,
+                                       v1::ServerInfoResponse* resp) override;
+
+  // Answers one batch; shared by Batch and BatchStream.
+  void RunBatch(grpc::CallbackServerContext* ctx, const v1::BatchRequest& req,
+                v1::BatchResponse* resp);
+
+ private:
+  class BatchStreamReactor;
+
+  // Runs `handler` on the executor and finishes the call with the status it returns.
+  template <typename Handler>
+  grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, Handler handler);
+
+  engine::Engine* engine_;
+  RequestExecutor* executor_;
+  std::string version_;
+  int64_t max_message_bytes_;
+};
+
+}  // namespace indexer::server

@@ -1,0 +1,164 @@
+#include "server/server_options.h"
+
+#include <cctype>
+#include <cstdlib>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address, host:port (port 0 picks one)");
+ABSL_FLAG(std::string, device, "auto", "Backend: auto (CUDA if a GPU is usable, else CPU), cpu or cuda");
+ABSL_FLAG(int32_t, head_dim, 128, "Index key/query dimension: 64, 128 or 256");
+ABSL_FLAG(int32_t, layers, 1, "Index-K caches (layers) sharing each sequence's block table");
+ABSL_FLAG(std::string, key_dtype, "bf16", "Key storage: bf16 or fp8 (e4m3, saturating, no scale)");
+ABSL_FLAG(std::string, capacity, "1GiB",
+          "Key pool size: a page count (8192) or a size (4GiB, 512MiB); one page = 128 tokens x "
+          "head_dim x layers keys");
+ABSL_FLAG(int32_t, max_index_heads, 16, "Largest number of index heads H per request");
+ABSL_FLAG(int32_t, max_topk, 256, "Largest topk per request");
+ABSL_FLAG(int32_t, topk, 16, "Default topk when a request omits it");
+ABSL_FLAG(int32_t, init_blocks, 0, "Default init_blocks (leading blocks always selected)");
+ABSL_FLAG(int32_t, local_blocks, 1, "Default local_blocks (trailing blocks always selected)");
+ABSL_FLAG(int32_t, pages_per_block, 8, "Attention pages per 128-token block in page-table rows");
+ABSL_FLAG(int32_t, block_page_stride, 8, "Attention page id stride per block (16 when K and V share a block)");
+ABSL_FLAG(int64_t, max_tokens_per_sequence, int64_t{1} << 20, "Longest sequence, in tokens per layer");
+ABSL_FLAG(int32_t, max_query_tokens, 16384, "Most query tokens in one selection span");
+ABSL_FLAG(int32_t, max_batch_items, 4096, "Most items in one Batch call");
+ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend compute threads (0 = all hardware threads)");
+ABSL_FLAG(int32_t, handler_threads, 0, "Threads running requests (0 = max(4, 2 x hardware threads))");
+ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Largest gRPC message received or sent, in bytes");
+ABSL_FLAG(double, drain_seconds, 30, "On SIGINT/SIGTERM, how long in-flight calls may finish");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
+
+namespace indexer::server {
+namespace {
+
+const char* const kFlagNames[] = {
+    "listen", "device", "head_dim", "layers", "key_dtype", "capacity", "max_index_heads",
+    "max_topk", "topk", "init_blocks", "local_blocks", "pages_per_block", "block_page_stride",
+    "max_tokens_per_sequence", "max_query_tokens", "max_batch_items", "cpu_threads",
+    "handler_threads", "max_message_bytes", "drain_seconds", "log_level"};
+
+}  // namespace
+
+absl::StatusOr<int64_t> ParseCapacity(absl::string_view text, int64_t bytes_per_page) {
+  const std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  int64_t pages = 0;
+  if (absl::SimpleAtoi(t, &pages)) {
+    if (pages < 1) return absl::InvalidArgumentError(absl::StrCat("capacity is ", t, " pages; it must be >= 1"));
+    return pages;
+  }
+  struct Unit {
+    const char* suffix;
+    double bytes;
+  };
+  const Unit units[] = {{"gib", 1024.0 * 1024 * 1024}, {"mib", 1024.0 * 1024}, {"kib", 1024.0},
+                        {"gb", 1e9}, {"mb", 1e6}, {"kb", 1e3}, {"g", 1024.0 * 1024 * 1024},
+                        {"m", 1024.0 * 1024}};
+  for (const Unit& u : units) {
+    if (!absl::EndsWith(t, u.suffix)) continue;
+    double amount = 0;
+    if (!absl::SimpleAtod(t.substr(0, t.size() - strlen(u.suffix)), &amount) || !(amount > 0)) break;
+    const int64_t n = static_cast<int64_t>(amount * u.bytes / static_cast<double>(bytes_per_page));
+    if (n < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("capacity ", text, " is less than one page (",
+                                                     bytes_per_page, " bytes)"));
+    }
+    return n;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "capacity is '", text, "'; give a page count (8192) or a size such as 4GiB or 512MiB"));
+}
+
+std::vector<std::string> ArgsWithEnvironment(int argc, char** argv) {
+  std::vector<std::string> args;
+  args.emplace_back(argc > 0 ? argv[0] : "indexer-server");
+  for (const char* name : kFlagNames) {
+    const std::string var = absl::StrCat("INDEXER_", absl::AsciiStrToUpper(name));
+    if (const char* value = std::getenv(var.c_str())) args.push_back(absl::StrCat("--", name, "=", value));
+  }
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  return args;
+}
+
+absl::StatusOr<ServerOptions> OptionsFromFlags() {
+  ServerOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.device = absl::GetFlag(FLAGS_device);
+  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.handler_threads = absl::GetFlag(FLAGS_handler_threads);
+  o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  o.log_level = absl::GetFlag(FLAGS_log_level);
+  engine::EngineConfig& e = o.engine;
+  e.head_dim = absl::GetFlag(FLAGS_head_dim);
+  e.layers = absl::GetFlag(FLAGS_layers);
+  const std::string dtype = absl::AsciiStrToLower(absl::GetFlag(FLAGS_key_dtype));
+  if (dtype == "bf16") {
+    e.key_storage = kernels::KeyStorage::kBf16;
+  } else if (dtype == "fp8" || dtype == "fp8_e4m3" || dtype == "e4m3") {
+    e.key_storage = kernels::KeyStorage::kFp8E4M3;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--key_dtype is '", dtype, "'; it must be bf16 or fp8"));
+  }
+  e.max_index_heads = absl::GetFlag(FLAGS_max_index_heads);
+  e.max_topk = absl::GetFlag(FLAGS_max_topk);
+  e.defaults.topk = absl::GetFlag(FLAGS_topk);
+  e.defaults.init_blocks = absl::GetFlag(FLAGS_init_blocks);
+  e.defaults.local_blocks = absl::GetFlag(FLAGS_local_blocks);
+  e.page_table.pages_per_block = absl::GetFlag(FLAGS_pages_per_block);
+  e.page_table.block_page_stride = absl::GetFlag(FLAGS_block_page_stride);
+  e.max_tokens_per_sequence = absl::GetFlag(FLAGS_max_tokens_per_sequence);
+  e.max_query_tokens = absl::GetFlag(FLAGS_max_query_tokens);
+  e.max_batch_items = absl::GetFlag(FLAGS_max_batch_items);
+  e.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  // The page size depends on head_dim, dtype and layers: check those before sizing the pool.
+  e.capacity_pages = 1;
+  if (absl::Status s = e.Validate(); !s.ok()) return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
+  absl::StatusOr<int64_t> pages = ParseCapacity(absl::GetFlag(FLAGS_capacity), e.BytesPerPage());
+  if (!pages.ok()) return absl::InvalidArgumentError(absl::StrCat("--", pages.status().message()));
+  e.capacity_pages = *pages;
+  if (absl::Status s = e.Validate(); !s.ok()) return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
+  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat("--device is '", o.device, "'; it must be auto, cpu or cuda"));
+  }
+  if (o.max_message_bytes < (1 << 16) || o.max_message_bytes > (int64_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes is ", o.max_message_bytes,
+                                                   "; it must be in [65536, 2147483647]"));
+  }
+  if (o.handler_threads < 0 || o.handler_threads > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("--handler_threads is ", o.handler_threads, "; it must be in [0, 4096]"));
+  }
+  if (!(o.drain_seconds >= 0) || o.drain_seconds > 3600) {
+    return absl::InvalidArgumentError(absl::StrCat("--drain_seconds is ", o.drain_seconds, "; it must be in [0, 3600]"));
+  }
+  static const char* const kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
+  bool level_ok = false;
+  for (const char* l : kLevels) level_ok = level_ok || o.log_level == l;
+  if (!level_ok) {
+    return absl::InvalidArgumentError(absl::StrCat("--log_level is '", o.log_level,
+                                                   "'; it must be trace, debug, info, warn, error or off"));
+  }
+  return o;
+}
+
+std::string Summary(const ServerOptions& o) {
+  const engine::EngineConfig& e = o.engine;
+  return absl::StrFormat(
+      "listen=%s device=%s head_dim=%d layers=%d key_dtype=%s capacity=%d pages (%.2f GiB) "
+      "max_index_heads=%d max_topk=%d topk=%d init_blocks=%d local_blocks=%d pages_per_block=%d "
+      "block_page_stride=%d max_tokens_per_sequence=%d max_query_tokens=%d max_batch_items=%d "
+      "max_message_bytes=%d",
+      o.listen, o.device, e.head_dim, e.layers, engine::KeyStorageName(e.key_storage),
+      e.capacity_pages, static_cast<double>(e.capacity_pages * e.BytesPerPage()) / (1 << 30),
+      e.max_index_heads, e.max_topk, e.defaults.topk, e.defaults.init_blocks,
+      e.defaults.local_blocks, e.page_table.pages_per_block, e.page_table.block_page_stride,
+      e.max_tokens_per_sequence, e.max_query_tokens, e.max_batch_items, o.max_message_bytes);
+}
+
+}  // namespace indexer::server

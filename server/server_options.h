@@ -1,0 +1,38 @@
+// ServerOptions: everything indexer-server is configured with, and how it is read from flags
+// and environment variables (INDEXER_<FLAG NAME IN CAPITALS>; a flag on the command line wins).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "engine/config.h"
+
+namespace indexer::server {
+
+struct ServerOptions {
+  std::string listen = "0.0.0.0:50051";
+  std::string device = "auto";     // auto | cpu | cuda
+  int64_t max_message_bytes = 64 << 20;
+  int handler_threads = 0;         // 0 = max(4, 2 x hardware threads)
+  double drain_seconds = 30;       // graceful shutdown: how long in-flight calls may take
+  std::string log_level = "info";  // trace | debug | info | warn | error | off
+  engine::EngineConfig engine;
+};
+
+// Parses a capacity: a page count ("8192") or a size ("2GiB", "512MiB", "1.5GB") converted to
+// whole pages of `bytes_per_page`. INVALID_ARGUMENT for anything else or a zero result.
+absl::StatusOr<int64_t> ParseCapacity(absl::string_view text, int64_t bytes_per_page);
+
+// Reads the flags (after absl::ParseCommandLine) into options and validates them.
+absl::StatusOr<ServerOptions> OptionsFromFlags();
+
+// Before absl::ParseCommandLine: returns argv with one --flag=value for each INDEXER_* variable
+// that names a known flag, placed before the real arguments so that those win.
+std::vector<std::string> ArgsWithEnvironment(int argc, char** argv);
+
+// One line describing the configuration, for the startup log.
+std::string Summary(const ServerOptions& options);
+
+}  // namespace indexer::server

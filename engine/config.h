@@ -24,6 +24,7 @@ struct EngineConfig {
   int max_query_tokens = 16384;        // n limit of one select span
   int max_batch_items = 4096;          // items of one Batch call
   int cpu_threads = 0;                 // CPU backend workers; 0 = hardware concurrency
+  int64_t max_response_bytes = 0;      // largest answer of one call (0: no limit)
 
   // Bytes one page occupies across all layers.
   int64_t BytesPerPage() const {

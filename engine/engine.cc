@@ -16,6 +16,8 @@ constexpr size_t kMaxIdBytes = 256;
 // init/local block counts past any sequence's block count mean "every block"; clamping keeps
 // arithmetic in int.
 constexpr int64_t kMaxForcedBlocks = int64_t{1} << 30;
+// Raw block scores one span may need (4 bytes each): 1 GiB.
+constexpr int64_t kMaxSpanScores = int64_t{1} << 28;
 
 int64_t BlocksFor(int64_t tokens) { return (tokens + kBlockSize - 1) / kBlockSize; }
 
@@ -41,6 +43,7 @@ struct AppendUndo {
   size_t pages = 0;
   size_t attn_pages = 0;
   bool attn_decided = false;
+  std::vector<std::pair<int64_t, int32_t>> replaced;  // copied-on-write blocks, original pages
 };
 
 }  // namespace
@@ -161,17 +164,26 @@ absl::Status Engine::CheckSpan(const Sequence& seq, PreparedStep& step) const {
   }
   const int64_t n = step.num_tokens;
   const int64_t p0 = step.start_position.value_or(len - n);
-  if (p0 < 0 || p0 + n > len) {
+  if (p0 < 0 || p0 > len - n) {  // not p0 + n > len: p0 may be near INT64_MAX
     return absl::FailedPreconditionError(absl::StrCat(
-        "the query span [", p0, ", ", p0 + n, ") of sequence '", seq.id,
+        "the query span of ", n, " tokens from start_position ", p0, " of sequence '", seq.id,
         "' is not inside layer ", step.layer, "'s ", len,
         " tokens; every position must be < the layer's length"));
+  }
+  // Both backends hold a raw score per (row, visible block) while selecting.
+  const int64_t scores = n * step.num_heads * kernels::VisibleBlocks(p0 + n - 1);
+  if (scores > kMaxSpanScores) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the query span of ", n, " tokens x ", step.num_heads, " heads over ",
+        kernels::VisibleBlocks(p0 + n - 1), " blocks needs ", scores, " block scores; the limit is ",
+        kMaxSpanScores, ": split the span into smaller chunks"));
   }
   step.start_pos = p0;
   return absl::OkStatus();
 }
 
-absl::Status Engine::ApplyAppend(Sequence& seq, const PreparedAppend& a) {
+absl::Status Engine::ApplyAppend(Sequence& seq, const PreparedAppend& a,
+                                 std::vector<std::pair<int64_t, int32_t>>* replaced) {
   std::vector<int64_t> lengths = seq.lengths;
   for (int l = a.layer_begin; l < a.layer_begin + a.layer_count; ++l) {
     lengths[l] += a.num_tokens;
@@ -234,10 +246,7 @@ absl::Status Engine::ApplyAppend(Sequence& seq, const PreparedAppend& a) {
     pool_.Release(got);
     return status;
   }
-  for (int64_t b : cow_blocks) {
-    const int32_t old = seq.pages[b];
-    pool_.Release(std::span<const int32_t>(&old, 1));
-  }
+  for (int64_t b : cow_blocks) replaced->emplace_back(b, seq.pages[b]);
   seq.pages = std::move(table);
   seq.lengths = std::move(lengths);
   if (!seq.attn_decided) {
@@ -248,8 +257,25 @@ absl::Status Engine::ApplyAppend(Sequence& seq, const PreparedAppend& a) {
   return absl::OkStatus();
 }
 
+void Engine::ReleaseReplaced(const std::vector<std::pair<int64_t, int32_t>>& replaced) {
+  for (const auto& [block, original] : replaced) {
+    pool_.Release(std::span<const int32_t>(&original, 1));
+  }
+}
+
+int64_t Engine::AnswerBytes(const PreparedStep& s, bool attn_pages) const {
+  // Results are packed int32; allow for field tags, lengths and the per-item envelope.
+  int64_t bytes = 64 + int64_t{8} * config_.layers;
+  if (s.has_select) {
+    const int64_t rows = int64_t{s.num_tokens} * s.num_heads;
+    bytes += 4 * rows * s.params.topk;
+    if (attn_pages) bytes += 4 * rows * (int64_t{s.params.topk} * config_.page_table.pages_per_block + 1);
+  }
+  return bytes;
+}
+
 void Engine::RunWave(std::span<PreparedStep*> wave,
-                     std::vector<absl::StatusOr<StepResult>>& results) {
+                     std::vector<absl::StatusOr<StepResult>>& results, int64_t& budget) {
   // Resolve and lock the wave's sequences (distinct by construction) in address order, so that
   // concurrent waves cannot deadlock. A sequence released between lookup and lock is looked up
   // again: an append then creates it anew.
@@ -298,8 +324,20 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
       status = absl::NotFoundError(absl::StrCat("sequence '", s->sequence_id, "' does not exist"));
     }
     if (status.ok() && s->has_select) status = CheckSpan(seq, *s);
-    AppendUndo before{seq.lengths, seq.pages.size(), seq.attn_pages.size(), seq.attn_decided};
-    if (status.ok() && s->has_append) status = ApplyAppend(seq, s->append);
+    if (status.ok() && budget >= 0) {
+      const bool attn = seq.attn_decided ? seq.has_attn_pages : s->has_append && !s->append.attn.empty();
+      const int64_t bytes = AnswerBytes(*s, attn);
+      if (bytes > budget) {
+        status = absl::ResourceExhaustedError(absl::StrCat(
+            "the answer for sequence '", s->sequence_id, "' would take about ", bytes,
+            " bytes and the call has ", budget, " of max_response_bytes ", config_.max_response_bytes,
+            " left; ask for fewer tokens, heads or topk per call"));
+      } else {
+        budget -= bytes;
+      }
+    }
+    AppendUndo before{seq.lengths, seq.pages.size(), seq.attn_pages.size(), seq.attn_decided, {}};
+    if (status.ok() && s->has_append) status = ApplyAppend(seq, s->append, &before.replaced);
     if (!status.ok()) {
       results[s->index] = status;
       if (s->created && !seq.released && seq.Empty() && sequences_.EraseIfSame(s->seq)) {
@@ -341,17 +379,25 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
       selecting.push_back(s);
       undo.push_back(std::move(before));
     } else {
+      ReleaseReplaced(before.replaced);
       results[s->index] = std::move(r);
     }
   }
   if (tasks.empty()) return;
   const absl::Status status = backend_->Select(tasks, config_.page_table);
-  if (status.ok()) return;
+  if (status.ok()) {
+    for (AppendUndo& u : undo) ReleaseReplaced(u.replaced);
+    return;
+  }
   // The selection failed: take back the appends of the failed steps so nothing is half-applied.
   for (size_t i = 0; i < selecting.size(); ++i) {
     PreparedStep* s = selecting[i];
     Sequence& seq = *s->seq;
     const AppendUndo& u = undo[i];
+    for (const auto& [block, original] : u.replaced) {
+      pool_.Release(std::span<const int32_t>(&seq.pages[block], 1));  // the copy
+      seq.pages[block] = original;  // its reference was kept
+    }
     if (seq.pages.size() > u.pages) {
       pool_.Release(std::span<const int32_t>(seq.pages.data() + u.pages, seq.pages.size() - u.pages));
       seq.pages.resize(u.pages);
@@ -387,6 +433,7 @@ std::vector<absl::StatusOr<StepResult>> Engine::Batch(std::span<const StepReques
     }
   }
   // Waves: maximal runs of items on distinct sequences, so a sequence's steps apply in order.
+  int64_t budget = config_.max_response_bytes > 0 ? config_.max_response_bytes : -1;
   size_t begin = 0;
   while (begin < ready.size()) {
     absl::flat_hash_set<absl::string_view> ids;
@@ -397,7 +444,7 @@ std::vector<absl::StatusOr<StepResult>> Engine::Batch(std::span<const StepReques
       for (size_t i = begin; i < ready.size(); ++i) results[ready[i]->index] = status;
       break;
     }
-    RunWave(std::span<PreparedStep*>(ready.data() + begin, end - begin), results);
+    RunWave(std::span<PreparedStep*>(ready.data() + begin, end - begin), results, budget);
     begin = end;
   }
   return results;
@@ -434,7 +481,7 @@ absl::StatusOr<int64_t> Engine::Release(absl::string_view sequence_id) {
 
 absl::StatusOr<TruncateResult> Engine::Truncate(absl::string_view sequence_id, int64_t length) {
   INDEXER_RETURN_IF_ERROR(CheckId(sequence_id, "sequence_id"));
-  INDEXER_RETURN_IF_ERROR(CheckRange("length", length, 0, config_.max_tokens_per_sequence));
+  INDEXER_RETURN_IF_ERROR(CheckRange("length", length, 0, std::numeric_limits<int64_t>::max()));
   std::shared_ptr<Sequence> seq = sequences_.Find(sequence_id);
   if (seq != nullptr) {
     std::lock_guard<std::mutex> lock(seq->mu);
@@ -464,7 +511,7 @@ absl::StatusOr<ForkResult> Engine::Fork(absl::string_view source_id, absl::strin
     return absl::InvalidArgumentError("target_id must differ from source_id");
   }
   if (length) {
-    INDEXER_RETURN_IF_ERROR(CheckRange("length", *length, 0, config_.max_tokens_per_sequence));
+    INDEXER_RETURN_IF_ERROR(CheckRange("length", *length, 0, std::numeric_limits<int64_t>::max()));
   }
   std::shared_ptr<Sequence> src = sequences_.Find(source_id);
   if (src == nullptr) {

@@ -131,9 +131,16 @@ class Engine {
   absl::Status PrepareAppend(const AppendRequest& request, absl::string_view step_sequence_id,
                              PreparedAppend* out) const;
   absl::Status PrepareStep(const StepRequest& request, PreparedStep* out) const;
-  absl::Status ApplyAppend(Sequence& seq, const PreparedAppend& append);
+  // Applies `append`. Pages it copied on write stay referenced in *replaced as (block, original
+  // page): the caller releases them once the step has succeeded, or swaps them back.
+  absl::Status ApplyAppend(Sequence& seq, const PreparedAppend& append,
+                           std::vector<std::pair<int64_t, int32_t>>* replaced);
   absl::Status CheckSpan(const Sequence& seq, PreparedStep& step) const;
-  void RunWave(std::span<PreparedStep*> wave, std::vector<absl::StatusOr<StepResult>>& results);
+  // `budget`: bytes of answer the call may still return (negative: no limit).
+  void RunWave(std::span<PreparedStep*> wave, std::vector<absl::StatusOr<StepResult>>& results,
+               int64_t& budget);
+  int64_t AnswerBytes(const PreparedStep& step, bool attn_pages) const;
+  void ReleaseReplaced(const std::vector<std::pair<int64_t, int32_t>>& replaced);
 
   const EngineConfig config_;
   std::unique_ptr<KeyCacheBackend> backend_;

@@ -29,9 +29,10 @@ class IndexerServer {
   int port() const { return port_; }
   engine::Engine& engine() { return *engine_; }
 
-  // Graceful stop: health checks answer NOT_SERVING, new calls are refused, in-flight calls get
-  // up to `drain` to finish (then are cancelled), and the handler threads are joined.
-  void Shutdown(absl::Duration drain);
+  // Graceful stop: health checks answer NOT_SERVING for `not_serving_grace`, then new calls are
+  // refused, in-flight calls get up to `drain` to finish (then are cancelled), and the handler
+  // threads are joined.
+  void Shutdown(absl::Duration drain, absl::Duration not_serving_grace = absl::ZeroDuration());
 
  private:
   IndexerServer() = default;

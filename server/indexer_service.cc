@@ -160,14 +160,18 @@ class IndexerService::BatchStreamReactor final
  public:
   BatchStreamReactor(IndexerService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx) {
+    service_->Register(this);  // may Stop() this stream at once when shutting down
     StartRead(&request_);
   }
 
   void OnReadDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return;  // stopped while the read was pending: nothing is applied
     if (!ok) {  // the client finished sending (or the call ended)
-      Finish(grpc::Status::OK);
+      FinishLocked(grpc::Status::OK);
       return;
     }
+    busy_ = true;
     service_->executor_->Submit([this] {
       response_.Clear();
       service_->RunBatch(ctx_, request_, &response_);
@@ -176,21 +180,68 @@ class IndexerService::BatchStreamReactor final
   }
 
   void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed while writing"));
-      return;
+      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed while writing"));
+    } else if (stopping_) {
+      FinishLocked(ShuttingDown());
+    } else {
+      StartRead(&request_);
     }
-    StartRead(&request_);
   }
 
-  void OnDone() override { delete this; }
+  // Ends the stream: now when idle, after the answer being written when busy.
+  void Stop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    if (!busy_) FinishLocked(ShuttingDown());
+  }
+
+  void OnDone() override {
+    service_->Unregister(this);
+    delete this;
+  }
 
  private:
+  static grpc::Status ShuttingDown() {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+  }
+  void FinishLocked(const grpc::Status& status) {
+    if (finished_) return;
+    finished_ = true;
+    Finish(status);
+  }
+
   IndexerService* service_;
   grpc::CallbackServerContext* ctx_;
   v1::BatchRequest request_;
   v1::BatchResponse response_;
+  std::mutex mu_;
+  bool busy_ = false;      // a request is in the engine or its answer is being written
+  bool stopping_ = false;  // the server is shutting down
+  bool finished_ = false;  // Finish was called
 };
+
+void IndexerService::Register(BatchStreamReactor* stream) {
+  std::lock_guard<std::recursive_mutex> lock(streams_mu_);
+  streams_.insert(stream);
+  if (shutting_down_) stream->Stop();
+}
+
+void IndexerService::Unregister(BatchStreamReactor* stream) {
+  std::lock_guard<std::recursive_mutex> lock(streams_mu_);
+  streams_.erase(stream);
+}
+
+void IndexerService::BeginShutdown() {
+  std::lock_guard<std::recursive_mutex> lock(streams_mu_);
+  shutting_down_ = true;
+  const std::set<BatchStreamReactor*> live = streams_;
+  for (BatchStreamReactor* stream : live) {
+    if (streams_.count(stream) > 0) stream->Stop();  // it may have finished meanwhile
+  }
+}
 
 grpc::ServerBidiReactor<v1::BatchRequest, v1::BatchResponse>* IndexerService::BatchStream(
     grpc::CallbackServerContext* ctx) {

@@ -3,6 +3,9 @@
 // RequestExecutor so that gRPC's callback threads never block.
 #pragma once
 
+#include <mutex>
+#include <set>
+
 #include "engine/engine.h"
 #include "indexer/v1/indexer.grpc.pb.h"
 #include "server/request_executor.h"
@@ -49,8 +52,15 @@ class IndexerService final : public indexer::v1::Indexer::CallbackService {
   void RunBatch(grpc::CallbackServerContext* ctx, const v1::BatchRequest& req,
                 v1::BatchResponse* resp);
 
+  // Ends every BatchStream with UNAVAILABLE: idle ones now, busy ones once their current answer
+  // is written; streams opened later end at once. Called by IndexerServer::Shutdown, so that
+  // idle streams do not hold shutdown up for the whole drain time.
+  void BeginShutdown();
+
  private:
   class BatchStreamReactor;
+  void Register(BatchStreamReactor* stream);
+  void Unregister(BatchStreamReactor* stream);
 
   // Runs `handler` on the executor and finishes the call with the status it returns.
   template <typename Handler>
@@ -60,6 +70,11 @@ class IndexerService final : public indexer::v1::Indexer::CallbackService {
   RequestExecutor* executor_;
   std::string version_;
   int64_t max_message_bytes_;
+  // Live streams. Recursive: a stream's OnDone (which unregisters it) may run inside
+  // BeginShutdown's call to Finish on the same thread.
+  std::recursive_mutex streams_mu_;
+  std::set<BatchStreamReactor*> streams_;
+  bool shutting_down_ = false;
 };
 
 }  // namespace indexer::server

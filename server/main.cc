@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   sigwait(&signals, &sig);
   spdlog::info("received {}, draining in-flight calls for up to {} s", sig == SIGINT ? "SIGINT" : "SIGTERM",
                options->drain_seconds);
-  (*server)->Shutdown(absl::Seconds(options->drain_seconds));
+  (*server)->Shutdown(absl::Seconds(options->drain_seconds), absl::Seconds(options->not_serving_seconds));
   const auto stats = (*server)->engine().Stats();
   spdlog::info("stopped; {} live sequences, {} of {} pages in use were dropped", stats.live_sequences,
                stats.total_pages - stats.free_pages, stats.total_pages);

@@ -34,6 +34,8 @@ ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend compute threads (0 = all hardwar
 ABSL_FLAG(int32_t, handler_threads, 0, "Threads running requests (0 = max(4, 2 x hardware threads))");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Largest gRPC message received or sent, in bytes");
 ABSL_FLAG(double, drain_seconds, 30, "On SIGINT/SIGTERM, how long in-flight calls may finish");
+ABSL_FLAG(double, not_serving_seconds, 1,
+          "On SIGINT/SIGTERM, how long health checks answer NOT_SERVING before new calls are refused");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
 
 namespace indexer::server {
@@ -43,7 +45,7 @@ const char* const kFlagNames[] = {
     "listen", "device", "head_dim", "layers", "key_dtype", "capacity", "max_index_heads",
     "max_topk", "topk", "init_blocks", "local_blocks", "pages_per_block", "block_page_stride",
     "max_tokens_per_sequence", "max_query_tokens", "max_batch_items", "cpu_threads",
-    "handler_threads", "max_message_bytes", "drain_seconds", "log_level"};
+    "handler_threads", "max_message_bytes", "drain_seconds", "not_serving_seconds", "log_level"};
 
 }  // namespace
 
@@ -94,6 +96,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.handler_threads = absl::GetFlag(FLAGS_handler_threads);
   o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  o.not_serving_seconds = absl::GetFlag(FLAGS_not_serving_seconds);
   o.log_level = absl::GetFlag(FLAGS_log_level);
   engine::EngineConfig& e = o.engine;
   e.head_dim = absl::GetFlag(FLAGS_head_dim);
@@ -136,6 +139,9 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   }
   if (!(o.drain_seconds >= 0) || o.drain_seconds > 3600) {
     return absl::InvalidArgumentError(absl::StrCat("--drain_seconds is ", o.drain_seconds, "; it must be in [0, 3600]"));
+  }
+  if (!(o.not_serving_seconds >= 0) || o.not_serving_seconds > 60) {
+    return absl::InvalidArgumentError(absl::StrCat("--not_serving_seconds is ", o.not_serving_seconds, "; it must be in [0, 60]"));
   }
   static const char* const kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   bool level_ok = false;

@@ -17,6 +17,7 @@ struct ServerOptions {
   int64_t max_message_bytes = 64 << 20;
   int handler_threads = 0;         // 0 = max(4, 2 x hardware threads)
   double drain_seconds = 30;       // graceful shutdown: how long in-flight calls may take
+  double not_serving_seconds = 1;  // graceful shutdown: NOT_SERVING before the listener closes
   std::string log_level = "info";  // trace | debug | info | warn | error | off
   engine::EngineConfig engine;
 };

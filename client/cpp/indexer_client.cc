@@ -1,0 +1,338 @@
+#include "client/cpp/indexer_client.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "kernels/numeric.h"
+
+namespace indexer::client {
+
+static_assert(std::endian::native == std::endian::little,
+              "wire tensors are little-endian; a big-endian host needs byte swaps here");
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  // absl and gRPC share the canonical code numbering (0..16).
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::Status ItemStatus(const v1::BatchItemResult& item) {
+  if (item.code() == 0) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(item.code()), item.message());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wire tensors.
+
+std::string PackBf16(std::span<const float> values) {
+  std::string out(values.size() * 2, '\0');
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint16_t b = kernels::FloatToBf16(values[i]);
+    std::memcpy(out.data() + 2 * i, &b, 2);
+  }
+  return out;
+}
+
+std::string PackBf16Bits(std::span<const uint16_t> bits) {
+  return std::string(reinterpret_cast<const char*>(bits.data()), bits.size() * 2);
+}
+
+std::string PackFp32(std::span<const float> values) {
+  return std::string(reinterpret_cast<const char*>(values.data()), values.size() * 4);
+}
+
+absl::StatusOr<std::string> PackValues(std::span<const float> values, v1::ValueDtype dtype) {
+  switch (dtype) {
+    case v1::VALUE_DTYPE_BF16: return PackBf16(values);
+    case v1::VALUE_DTYPE_FP32: return PackFp32(values);
+    default: return absl::InvalidArgumentError("dtype must be VALUE_DTYPE_BF16 or VALUE_DTYPE_FP32");
+  }
+}
+
+absl::StatusOr<std::vector<int32_t>> UnpackInt32(absl::string_view bytes, absl::string_view field) {
+  if (bytes.size() % 4 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " has ", bytes.size(), " bytes, not a multiple of 4 (int32)"));
+  }
+  std::vector<int32_t> out(bytes.size() / 4);
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());
+  return out;
+}
+
+float Bf16BitsToFloat(uint16_t bits) { return kernels::Bf16ToFloat(bits); }
+float RoundToBf16(float f) { return kernels::Bf16ToFloat(kernels::FloatToBf16(f)); }
+
+absl::StatusOr<Selection> ParseSelection(const v1::SelectBlocksResponse& r) {
+  Selection s;
+  s.num_tokens = static_cast<int>(r.num_tokens());
+  s.num_heads = static_cast<int>(r.num_heads());
+  s.topk = static_cast<int>(r.topk());
+  s.start_position = r.start_position();
+  s.pages_per_block = static_cast<int>(r.pages_per_block());
+  s.lengths.assign(r.lengths().begin(), r.lengths().end());
+  const size_t rows = static_cast<size_t>(s.num_tokens) * s.num_heads;
+  absl::StatusOr<std::vector<int32_t>> ids = UnpackInt32(r.block_ids(), "block_ids");
+  if (!ids.ok()) return ids.status();
+  if (ids->size() != rows * s.topk) {
+    return absl::InvalidArgumentError(absl::StrCat("block_ids holds ", ids->size(),
+                                                   " ids; the shape [", s.num_tokens, "][",
+                                                   s.num_heads, "][", s.topk, "] needs ",
+                                                   rows * s.topk));
+  }
+  s.block_ids = std::move(*ids);
+  if (!r.page_table().empty() || !r.context_lens().empty()) {
+    absl::StatusOr<std::vector<int32_t>> table = UnpackInt32(r.page_table(), "page_table");
+    if (!table.ok()) return table.status();
+    absl::StatusOr<std::vector<int32_t>> lens = UnpackInt32(r.context_lens(), "context_lens");
+    if (!lens.ok()) return lens.status();
+    const size_t width = static_cast<size_t>(s.topk) * s.pages_per_block;
+    if (table->size() != rows * width || lens->size() != rows) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "page_table holds ", table->size(), " and context_lens ", lens->size(),
+          " entries; the shape needs ", rows * width, " and ", rows));
+    }
+    s.page_table = std::move(*table);
+    s.context_lens = std::move(*lens);
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request builders.
+
+v1::AppendKeysRequest MakeAppend(absl::string_view sequence_id, uint32_t layer,
+                                 std::span<const float> keys, v1::ValueDtype dtype) {
+  v1::AppendKeysRequest r;
+  r.set_sequence_id(std::string(sequence_id));
+  r.set_layer(layer);
+  r.set_dtype(dtype);
+  r.set_keys(dtype == v1::VALUE_DTYPE_FP32 ? PackFp32(keys) : PackBf16(keys));
+  return r;
+}
+
+v1::AppendKeysRequest MakeAppendAllLayers(absl::string_view sequence_id,
+                                          std::span<const float> keys, v1::ValueDtype dtype) {
+  v1::AppendKeysRequest r = MakeAppend(sequence_id, 0, keys, dtype);
+  r.set_all_layers(true);
+  return r;
+}
+
+v1::SelectBlocksRequest MakeSelect(absl::string_view sequence_id, uint32_t layer,
+                                   uint32_t num_heads, std::span<const float> queries,
+                                   v1::ValueDtype dtype) {
+  v1::SelectBlocksRequest r;
+  r.set_sequence_id(std::string(sequence_id));
+  r.set_layer(layer);
+  r.set_num_heads(num_heads);
+  r.set_query_dtype(dtype);
+  r.set_queries(dtype == v1::VALUE_DTYPE_FP32 ? PackFp32(queries) : PackBf16(queries));
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The client.
+
+const char* HealthStatusName(HealthStatus s) {
+  switch (s) {
+    case HealthStatus::kServing: return "SERVING";
+    case HealthStatus::kNotServing: return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
+    default: return "UNKNOWN";
+  }
+}
+
+IndexerClient::IndexerClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : channel_(std::move(channel)),
+      options_(options),
+      stub_(v1::Indexer::NewStub(channel_)) {}
+
+IndexerClient::~IndexerClient() = default;
+
+absl::StatusOr<std::unique_ptr<IndexerClient>> IndexerClient::Connect(absl::string_view target,
+                                                                      ClientOptions options) {
+  if (target.empty()) return absl::InvalidArgumentError("the server address is empty");
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  args.SetMaxSendMessageSize(-1);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      std::string(target), grpc::InsecureChannelCredentials(), args);
+  if (channel == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot make a channel to '", target, "'"));
+  }
+  return std::make_unique<IndexerClient>(std::move(channel), options);
+}
+
+void IndexerClient::Prepare(grpc::ClientContext* context, const CallOptions& call) const {
+  absl::Time deadline;
+  if (call.deadline) {
+    deadline = *call.deadline;
+  } else {
+    deadline = absl::Now() + call.timeout.value_or(options_.default_timeout);
+  }
+  context->set_deadline(absl::ToChronoTime(deadline));
+  context->set_wait_for_ready(call.wait_for_ready);
+}
+
+template <typename Request, typename Response>
+absl::StatusOr<Response> IndexerClient::Call(
+    grpc::Status (v1::Indexer::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+    const Request& request, const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(&context, call);
+  Response response;
+  const grpc::Status status = (stub_.get()->*method)(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::AppendKeysResponse> IndexerClient::AppendKeys(
+    const v1::AppendKeysRequest& request, const CallOptions& call) {
+  return Call(&v1::Indexer::Stub::AppendKeys, request, call);
+}
+
+absl::StatusOr<v1::SelectBlocksResponse> IndexerClient::SelectBlocks(
+    const v1::SelectBlocksRequest& request, const CallOptions& call) {
+  return Call(&v1::Indexer::Stub::SelectBlocks, request, call);
+}
+
+absl::StatusOr<v1::BatchResponse> IndexerClient::Batch(const v1::BatchRequest& request,
+                                                       const CallOptions& call) {
+  return Call(&v1::Indexer::Stub::Batch, request, call);
+}
+
+absl::StatusOr<v1::ReleaseSequenceResponse> IndexerClient::ReleaseSequence(
+    absl::string_view sequence_id, const CallOptions& call) {
+  v1::ReleaseSequenceRequest request;
+  request.set_sequence_id(std::string(sequence_id));
+  return Call(&v1::Indexer::Stub::ReleaseSequence, request, call);
+}
+
+absl::StatusOr<v1::TruncateSequenceResponse> IndexerClient::TruncateSequence(
+    absl::string_view sequence_id, uint32_t length, const CallOptions& call) {
+  v1::TruncateSequenceRequest request;
+  request.set_sequence_id(std::string(sequence_id));
+  request.set_length(length);
+  return Call(&v1::Indexer::Stub::TruncateSequence, request, call);
+}
+
+absl::StatusOr<v1::ForkSequenceResponse> IndexerClient::ForkSequence(
+    absl::string_view source_id, absl::string_view target_id, std::optional<uint32_t> length,
+    const CallOptions& call) {
+  v1::ForkSequenceRequest request;
+  request.set_source_id(std::string(source_id));
+  request.set_target_id(std::string(target_id));
+  if (length) request.set_length(*length);
+  return Call(&v1::Indexer::Stub::ForkSequence, request, call);
+}
+
+absl::StatusOr<v1::GetSequenceResponse> IndexerClient::GetSequence(absl::string_view sequence_id,
+                                                                   const CallOptions& call) {
+  v1::GetSequenceRequest request;
+  request.set_sequence_id(std::string(sequence_id));
+  return Call(&v1::Indexer::Stub::GetSequence, request, call);
+}
+
+absl::StatusOr<v1::ServerInfoResponse> IndexerClient::ServerInfo(const CallOptions& call) {
+  v1::ServerInfoRequest request;
+  return Call(&v1::Indexer::Stub::ServerInfo, request, call);
+}
+
+absl::StatusOr<Selection> IndexerClient::Select(const v1::SelectBlocksRequest& request,
+                                                const CallOptions& call) {
+  absl::StatusOr<v1::SelectBlocksResponse> response = SelectBlocks(request, call);
+  if (!response.ok()) return response.status();
+  return ParseSelection(*response);
+}
+
+absl::StatusOr<HealthStatus> IndexerClient::Health(absl::string_view service,
+                                                   const CallOptions& call) {
+  // The stub is a few method descriptors; making one per call keeps the generated health
+  // headers out of ours.
+  std::unique_ptr<grpc::health::v1::Health::Stub> stub = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext context;
+  Prepare(&context, call);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(std::string(service));
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  switch (response.status()) {
+    case grpc::health::v1::HealthCheckResponse::SERVING: return HealthStatus::kServing;
+    case grpc::health::v1::HealthCheckResponse::NOT_SERVING: return HealthStatus::kNotServing;
+    case grpc::health::v1::HealthCheckResponse::SERVICE_UNKNOWN: return HealthStatus::kServiceUnknown;
+    default: return HealthStatus::kUnknown;
+  }
+}
+
+absl::Status IndexerClient::WaitUntilServing(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status last = absl::DeadlineExceededError("the server did not answer health checks");
+  while (absl::Now() < deadline) {
+    CallOptions call;
+    call.deadline = std::min(deadline, absl::Now() + absl::Seconds(1));
+    absl::StatusOr<HealthStatus> health = Health("", call);
+    if (health.ok() && *health == HealthStatus::kServing) return absl::OkStatus();
+    if (!health.ok()) {
+      last = health.status();
+    } else {
+      last = absl::UnavailableError(absl::StrCat("health is ", HealthStatusName(*health)));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("not SERVING within ", absl::FormatDuration(timeout), "; last: ", last.ToString()));
+}
+
+std::unique_ptr<BatchStream> IndexerClient::OpenBatchStream(const CallOptions& call) {
+  std::unique_ptr<BatchStream> stream(new BatchStream());
+  if (call.deadline || call.timeout) Prepare(&stream->context_, call);
+  stream->context_.set_wait_for_ready(call.wait_for_ready);
+  stream->stream_ = stub_->BatchStream(&stream->context_);
+  return stream;
+}
+
+// ---------------------------------------------------------------------------------------------
+// BatchStream.
+
+BatchStream::~BatchStream() {
+  if (!finished_) {
+    context_.TryCancel();
+    Finish().IgnoreError();
+  }
+}
+
+bool BatchStream::Write(const v1::BatchRequest& request) {
+  return !writes_done_ && stream_->Write(request);
+}
+
+bool BatchStream::Read(v1::BatchResponse* response) { return stream_->Read(response); }
+
+bool BatchStream::WritesDone() {
+  if (writes_done_) return true;
+  writes_done_ = true;
+  return stream_->WritesDone();
+}
+
+absl::StatusOr<v1::BatchResponse> BatchStream::Step(const v1::BatchRequest& request) {
+  v1::BatchResponse response;
+  if (Write(request) && Read(&response)) return response;
+  absl::Status status = Finish();
+  if (status.ok()) status = absl::UnknownError("the server closed the stream without an answer");
+  return status;
+}
+
+absl::Status BatchStream::Finish() {
+  if (finished_) return absl::FailedPreconditionError("the stream was already finished");
+  finished_ = true;
+  WritesDone();
+  v1::BatchResponse unread;
+  while (stream_->Read(&unread)) {
+  }
+  return FromGrpcStatus(stream_->Finish());
+}
+
+}  // namespace indexer::client

@@ -1,0 +1,124 @@
+// RAII owners of CUDA resources (device memory, pinned host memory, streams) and the one
+// translation of cudaError_t into absl::Status (INTERNAL, carrying CUDA's message).
+// Not thread-safe; each owner belongs to one CudaBackend, which serialises their use.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace indexer::engine {
+
+inline absl::Status CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("CUDA error in ", what, ": ", cudaGetErrorName(err), ": ",
+                                          cudaGetErrorString(err)));
+}
+
+// Owns a cudaMalloc'ed (never managed) allocation.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer() { Reset(); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(o.bytes_) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      ptr_ = std::exchange(o.ptr_, nullptr);
+      bytes_ = o.bytes_;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  absl::Status Allocate(size_t bytes) {
+    Reset();
+    if (bytes == 0) return absl::OkStatus();
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // clear the (non-sticky) allocation error
+      return CudaStatus(err, "cudaMalloc");
+    }
+    ptr_ = p;
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  // Grows (contents not kept) to at least `bytes`, with headroom so growth is rare.
+  absl::Status Reserve(size_t bytes) {
+    if (bytes <= bytes_) return absl::OkStatus();
+    return Allocate(bytes + bytes / 2);
+  }
+  void Reset() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  template <typename T = void>
+  T* get() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Owns page-locked host memory for fast, asynchronous copies.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  ~PinnedBuffer() { Reset(); }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+
+  absl::Status Reserve(size_t bytes) {
+    if (bytes <= bytes_) return absl::OkStatus();
+    Reset();
+    const size_t want = bytes + bytes / 2;
+    void* p = nullptr;
+    const cudaError_t err = cudaMallocHost(&p, want);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return CudaStatus(err, "cudaMallocHost");
+    }
+    ptr_ = p;
+    bytes_ = want;
+    return absl::OkStatus();
+  }
+  void Reset() {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  template <typename T = void>
+  T* get() const { return static_cast<T*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Owns a non-blocking stream.
+class CudaStream {
+ public:
+  CudaStream() = default;
+  ~CudaStream() {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  absl::Status Create() {
+    return CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace indexer::engine

@@ -1,0 +1,357 @@
+// indexer-kernel-bench: times the CUDA selectors on the cases of shared/bench/seed_bench.py
+// (same presets, same "ramp" length rule, pages in random order), so that the two can be run
+// back to back on one GPU and compared.
+//
+// Method (as the seed's triton.testing.do_bench): warm-up, then every run timed on its own with
+// CUDA events after flushing L2 with a 256 MB memset; the median is reported. Decode cases are
+// also captured in a CUDA graph and timed by replay (the seed's headline figure). Prints one
+// JSON object per case, then a table.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/launchers.h"
+#include "kernels/numeric.h"
+
+namespace {
+
+using indexer::kernels::KeyStorage;
+using indexer::kernels::cuda::SpanDesc;
+namespace kc = indexer::kernels::cuda;
+
+constexpr int kD = 128;
+constexpr int kTopk = 16;
+
+#define CHECK_CUDA(expr)                                                                   \
+  do {                                                                                     \
+    const cudaError_t err_ = (expr);                                                       \
+    if (err_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(err_), __FILE__, \
+                   __LINE__, cudaGetErrorString(err_));                                    \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+// Pseudo-random bf16 values (roughly uniform in [-2, 2)), stored as bf16 or fp8.
+__global__ void FillRandom(uint8_t* out, int64_t n, uint64_t seed, bool fp8) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    const float f = static_cast<float>(x >> 40) / static_cast<float>(1ull << 24) * 4.0f - 2.0f;
+    const uint16_t b = indexer::kernels::FloatToBf16(f);
+    if (fp8) {
+      out[i] = indexer::kernels::FloatToFp8E4M3(indexer::kernels::Bf16ToFloat(b));
+    } else {
+      reinterpret_cast<uint16_t*>(out)[i] = b;
+    }
+  }
+}
+
+struct DecodeCase {
+  int b;
+  int64_t l;
+  int h, q;
+  std::string dist;
+};
+struct PrefillCase {
+  int b;
+  int64_t prefix, chunk;
+  int h;
+};
+
+const std::vector<DecodeCase> kDecodePreset = {
+    {1, 4096, 1, 1, "uniform"},    {1, 131072, 1, 1, "uniform"}, {16, 32768, 1, 1, "uniform"},
+    {64, 32768, 1, 1, "uniform"},  {64, 131072, 1, 1, "uniform"}, {256, 131072, 1, 1, "uniform"},
+    {1, 4096, 4, 1, "uniform"},    {1, 131072, 4, 1, "uniform"}, {64, 32768, 4, 1, "uniform"},
+    {256, 131072, 4, 1, "uniform"}, {16, 32768, 1, 4, "uniform"}, {64, 131072, 1, 4, "uniform"},
+    {64, 131072, 1, 1, "ramp"},    {256, 65536, 4, 1, "ramp"},
+};
+const std::vector<PrefillCase> kPrefillPreset = {
+    {1, 0, 8192, 4}, {1, 24576, 8192, 4}, {4, 30720, 2048, 1}, {1, 122880, 8192, 1}};
+
+std::vector<int64_t> Lengths(const DecodeCase& c) {
+  std::vector<int64_t> lens(c.b);
+  for (int i = 0; i < c.b; ++i) {
+    lens[i] = c.dist == "ramp" ? std::max<int64_t>(1, (c.l * (i + 1)) / c.b) : c.l;
+  }
+  return lens;
+}
+
+struct Timer {
+  cudaEvent_t start, stop;
+  void* flush = nullptr;
+  bool flush_enabled = true;
+  static constexpr size_t kFlushBytes = size_t{256} << 20;
+  Timer() {
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    CHECK_CUDA(cudaMalloc(&flush, kFlushBytes));
+  }
+  ~Timer() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    cudaFree(flush);
+  }
+  // Median microseconds of `reps` runs of fn, each after an L2 flush.
+  template <typename Fn>
+  double Median(Fn fn, int warmup, int reps, cudaStream_t s) {
+    for (int i = 0; i < warmup; ++i) fn();
+    CHECK_CUDA(cudaStreamSynchronize(s));
+    std::vector<float> ms(reps);
+    for (int i = 0; i < reps; ++i) {
+      if (flush_enabled) CHECK_CUDA(cudaMemsetAsync(flush, i & 0xff, kFlushBytes, s));
+      CHECK_CUDA(cudaEventRecord(start, s));
+      fn();
+      CHECK_CUDA(cudaEventRecord(stop, s));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      CHECK_CUDA(cudaEventElapsedTime(&ms[i], start, stop));
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[reps / 2] * 1e3;
+  }
+};
+
+// A key pool with `lens` sequences in random page order, their span descriptors and outputs.
+struct Workload {
+  std::vector<SpanDesc> descs;
+  int64_t used_pages = 0;
+  void* pool = nullptr;
+  int32_t* bt = nullptr;
+  uint16_t* queries = nullptr;
+  int32_t* ids = nullptr;
+  SpanDesc* d_descs = nullptr;
+  float* scores = nullptr;
+  int* counters = nullptr;
+
+  Workload(const std::vector<int64_t>& lens, const std::vector<int64_t>& starts, int n, int h,
+           KeyStorage st, std::mt19937_64& rng) {
+    const int elem = st == KeyStorage::kBf16 ? 2 : 1;
+    std::vector<int64_t> nb(lens.size());
+    for (size_t i = 0; i < lens.size(); ++i) nb[i] = (lens[i] + 127) / 128;
+    used_pages = std::accumulate(nb.begin(), nb.end(), int64_t{0});
+    const int64_t pages = used_pages + 7;
+    std::vector<int32_t> perm(pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    const int64_t pool_elems = pages * 128 * kD;
+    CHECK_CUDA(cudaMalloc(&pool, pool_elems * elem));
+    FillRandom<<<4096, 256>>>(static_cast<uint8_t*>(pool), pool_elems, rng(), st != KeyStorage::kBf16);
+    CHECK_CUDA(cudaGetLastError());
+    const int64_t rows = int64_t{n} * h;
+    const int64_t q_elems = static_cast<int64_t>(lens.size()) * rows * kD;
+    CHECK_CUDA(cudaMalloc(&queries, q_elems * 2));
+    FillRandom<<<256, 256>>>(reinterpret_cast<uint8_t*>(queries), q_elems, rng(), false);
+    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA(cudaMalloc(&bt, used_pages * 4));
+    CHECK_CUDA(cudaMemcpy(bt, perm.data(), used_pages * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMalloc(&ids, static_cast<int64_t>(lens.size()) * rows * kTopk * 4));
+    descs.resize(lens.size());
+    int64_t off = 0;
+    for (size_t i = 0; i < lens.size(); ++i) {
+      SpanDesc& d = descs[i];
+      d.keys = pool;
+      d.block_table = bt + off;
+      off += nb[i];
+      d.queries = queries + static_cast<int64_t>(i) * rows * kD;
+      d.block_ids = ids + static_cast<int64_t>(i) * rows * kTopk;
+      d.start_pos = starts[i];
+      d.num_tokens = n;
+      d.num_heads = h;
+      d.topk = kTopk;
+      d.init_blocks = 0;
+      d.local_blocks = 1;
+    }
+  }
+  void Upload(int64_t score_floats) {
+    CHECK_CUDA(cudaMalloc(&d_descs, descs.size() * sizeof(SpanDesc)));
+    CHECK_CUDA(cudaMemcpy(d_descs, descs.data(), descs.size() * sizeof(SpanDesc), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMalloc(&scores, std::max<int64_t>(score_floats, 1) * 4));
+    CHECK_CUDA(cudaMalloc(&counters, descs.size() * 4));
+    CHECK_CUDA(cudaMemset(counters, 0, descs.size() * 4));
+  }
+  // Every span's first row must hold valid ids (catches a launch that silently did nothing).
+  void CheckIds() {
+    std::vector<int32_t> h(kTopk);
+    for (size_t i = 0; i < descs.size(); i += std::max<size_t>(1, descs.size() / 8)) {
+      CHECK_CUDA(cudaMemcpy(h.data(), descs[i].block_ids, kTopk * 4, cudaMemcpyDeviceToHost));
+      const int64_t v = (descs[i].start_pos) / 128 + 1;
+      for (int j = 0; j < kTopk; ++j) {
+        const bool ok = j < v ? (h[j] >= 0 && h[j] < v) : h[j] == -1;
+        if (!ok) {
+          std::fprintf(stderr, "bench: span %zu returned an invalid id %d at %d\n", i, h[j], j);
+          std::exit(1);
+        }
+      }
+    }
+  }
+  ~Workload() {
+    cudaFree(pool);
+    cudaFree(bt);
+    cudaFree(queries);
+    cudaFree(ids);
+    cudaFree(d_descs);
+    cudaFree(scores);
+    cudaFree(counters);
+  }
+};
+
+int main_impl(int argc, char** argv) {
+  std::string preset = "all";
+  std::string storage = "both";
+  double peak = 4.8;
+  int reps = 200;
+  int max_chunk = 32;
+  bool flush = true;
+  std::vector<DecodeCase> custom;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const auto val = [&](const char* flag) -> std::string {
+      const std::string f = std::string(flag) + "=";
+      return a.rfind(f, 0) == 0 ? a.substr(f.size()) : "";
+    };
+    if (a == "--help" || a == "-h") {
+      std::printf(
+          "indexer-kernel-bench: times the CUDA selectors on seed_bench.py's cases.\n"
+          "  --preset=decode|prefill|all   (default all)\n"
+          "  --storage=bf16|fp8|both       key cache type (default both; fp8 decode only)\n"
+          "  --case=B,L,H,Q,DIST           a decode case instead of the preset (repeatable)\n"
+          "  --reps=N                      timed runs per case (default 200)\n"
+          "  --max-chunk=N                 decode: most blocks per CTA (default 32, as the server)\n"
+          "  --flush=0|1                   flush L2 (256 MB memset) before every timed run (default 1)\n"
+          "  --peak-tbps=X                 memory bandwidth for the floor (default 4.8)\n");
+      return 0;
+    } else if (!val("--preset").empty()) {
+      preset = val("--preset");
+    } else if (!val("--storage").empty()) {
+      storage = val("--storage");
+    } else if (!val("--reps").empty()) {
+      reps = std::max(5, std::atoi(val("--reps").c_str()));
+    } else if (!val("--flush").empty()) {
+      flush = val("--flush") != "0";
+    } else if (!val("--max-chunk").empty()) {
+      max_chunk = std::max(1, std::atoi(val("--max-chunk").c_str()));
+    } else if (!val("--peak-tbps").empty()) {
+      peak = std::atof(val("--peak-tbps").c_str());
+    } else if (!val("--case").empty()) {
+      DecodeCase c;
+      char dist[32] = {0};
+      long long l = 0;
+      if (std::sscanf(val("--case").c_str(), "%d,%lld,%d,%d,%31s", &c.b, &l, &c.h, &c.q, dist) != 5) {
+        std::fprintf(stderr, "bad --case %s (want B,L,H,Q,DIST)\n", val("--case").c_str());
+        return 2;
+      }
+      c.l = l;
+      c.dist = dist;
+      custom.push_back(c);
+    } else {
+      std::fprintf(stderr, "unknown argument %s (see --help)\n", a.c_str());
+      return 2;
+    }
+  }
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("{\"device\": \"%s\", \"peak_TBps\": %.2f, \"sms\": %d}\n", prop.name, peak, prop.multiProcessorCount);
+  std::mt19937_64 rng(1234);
+  Timer timer;
+  timer.flush_enabled = flush;
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const indexer::kernels::PageTableParams pt;
+  std::vector<std::string> table;
+  std::vector<KeyStorage> storages;
+  if (storage == "bf16" || storage == "both") storages.push_back(KeyStorage::kBf16);
+  if (storage == "fp8" || storage == "both") storages.push_back(KeyStorage::kFp8E4M3);
+
+  const std::vector<DecodeCase>& decode = custom.empty() ? kDecodePreset : custom;
+  if (preset == "decode" || preset == "all" || !custom.empty()) {
+    for (KeyStorage st : storages) {
+      for (const DecodeCase& c : decode) {
+        const std::vector<int64_t> lens = Lengths(c);
+        std::vector<int64_t> starts(lens.size());
+        for (size_t i = 0; i < lens.size(); ++i) starts[i] = std::max<int64_t>(0, lens[i] - c.q);
+        Workload w(lens, starts, c.q, c.h, st, rng);
+        const kc::DecodePlan plan = kc::PlanDecode(w.descs, prop.multiProcessorCount, max_chunk);
+        w.Upload(plan.score_floats);
+        const auto launch = [&] {
+          CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs, static_cast<int>(w.descs.size()), plan, st, kD, pt,
+                                            w.scores, w.counters, stream));
+        };
+        const double eager = timer.Median(launch, 20, reps, stream);
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        launch();
+        CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+        CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        const double replay = timer.Median([&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); }, 20, reps, stream);
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        w.CheckIds();
+        CHECK_CUDA(cudaGraphExecDestroy(exec));
+        CHECK_CUDA(cudaGraphDestroy(graph));
+        const int elem = st == KeyStorage::kBf16 ? 2 : 1;
+        const double bytes = static_cast<double>(w.used_pages) * 128 * kD * elem;
+        const double tbps = bytes / (replay * 1e-6) / 1e12;
+        const double floor_us = bytes / (peak * 1e12) * 1e6;
+        const char* sname = st == KeyStorage::kBf16 ? "bf16" : "fp8";
+        std::printf(
+            "{\"kind\": \"decode\", \"storage\": \"%s\", \"B\": %d, \"L\": %lld, \"H\": %d, \"Q\": %d, "
+            "\"dist\": \"%s\", \"key_bytes\": %.0f, \"floor_us\": %.2f, \"graph_us\": %.2f, "
+            "\"eager_us\": %.2f, \"TBps\": %.3f, \"share_of_peak\": %.3f}\n",
+            sname, c.b, static_cast<long long>(c.l), c.h, c.q, c.dist.c_str(), bytes, floor_us, replay,
+            eager, tbps, floor_us / replay);
+        std::fflush(stdout);
+        char line[256];
+        std::snprintf(line, sizeof(line),
+                      "decode  %-4s B=%-4d L=%-7lld H=%d Q=%d %-7s %9.2f us (eager %9.2f)  %5.2f TB/s  %5.1f%% of %.1f",
+                      sname, c.b, static_cast<long long>(c.l), c.h, c.q, c.dist.c_str(), replay, eager, tbps,
+                      100 * floor_us / replay, peak);
+        table.push_back(line);
+      }
+    }
+  }
+  if (custom.empty() && (preset == "prefill" || preset == "all")) {
+    for (const PrefillCase& c : kPrefillPreset) {
+      const int64_t l = c.prefix + c.chunk;
+      std::vector<int64_t> lens(c.b, l), starts(c.b, c.prefix);
+      Workload w(lens, starts, static_cast<int>(c.chunk), c.h, KeyStorage::kBf16, rng);
+      const kc::PrefillPlan plan = kc::PlanPrefill(w.descs, kD);
+      w.Upload(plan.score_floats);
+      const auto launch = [&] {
+        CHECK_CUDA(kc::LaunchPrefillSelect(w.d_descs, static_cast<int>(w.descs.size()), plan,
+                                           KeyStorage::kBf16, kD, pt, w.scores, stream));
+      };
+      const double us = timer.Median(launch, 5, std::max(5, reps / 4), stream);
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const double flops = 2.0 * c.b * c.h * kD *
+                           (static_cast<double>(c.chunk) * c.prefix + 0.5 * c.chunk * (c.chunk + 1));
+      std::printf(
+          "{\"kind\": \"prefill\", \"B\": %d, \"prefix\": %lld, \"chunk\": %lld, \"H\": %d, \"total_us\": %.1f, "
+          "\"TFLOPs\": %.1f}\n",
+          c.b, static_cast<long long>(c.prefix), static_cast<long long>(c.chunk), c.h, us, flops / (us * 1e-6) / 1e12);
+      std::fflush(stdout);
+      char line[256];
+      std::snprintf(line, sizeof(line), "prefill B=%d prefix=%lld chunk=%lld H=%d  score+topk %9.1f us  (%.0f TFLOP/s useful)",
+                    c.b, static_cast<long long>(c.prefix), static_cast<long long>(c.chunk), c.h, us,
+                    flops / (us * 1e-6) / 1e12);
+      table.push_back(line);
+    }
+  }
+  std::printf("\n");
+  for (const auto& line : table) std::printf("%s\n", line.c_str());
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return main_impl(argc, argv); }

@@ -1,0 +1,38 @@
+// Append: scatters incoming bf16 keys into their pages, storing bf16 or fp8 e4m3 with the same
+// rounding as the CPU backend (kernels/numeric.h). One thread per 8 values.
+#pragma once
+
+#include "kernels/cuda/launchers.h"
+#include "kernels/numeric.h"
+
+namespace indexer::kernels::cuda {
+
+template <int D, KeyStorage S>
+__global__ void AppendKeysKernel(const AppendArgs a) {
+  constexpr int kVecs = D / 8;  // 8 values per thread
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const int64_t total = a.num_tokens * a.layer_count * kVecs;
+  if (i >= total) return;
+  const int v = static_cast<int>(i % kVecs);
+  const int64_t tl = i / kVecs;  // token * layer_count + layer
+  const int l = static_cast<int>(tl % a.layer_count);
+  const int64_t j = tl / a.layer_count;
+  const int64_t pos = a.layer_start[l] + j;
+  const int64_t slot = int64_t{a.block_table[pos / kBlockSize]} * kBlockSize + pos % kBlockSize;
+  const uint4 in = reinterpret_cast<const uint4*>(a.keys)[i];
+  char* layer = static_cast<char*>(a.pool) + (a.layer_begin + l) * a.layer_bytes;
+  if constexpr (S == KeyStorage::kBf16) {
+    reinterpret_cast<uint4*>(layer + slot * D * 2)[v] = in;
+  } else {
+    const uint32_t w[4] = {in.x, in.y, in.z, in.w};
+    uint32_t out[2] = {0u, 0u};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint16_t b = static_cast<uint16_t>(w[k / 2] >> (16 * (k % 2)));
+      out[k / 4] |= uint32_t{FloatToFp8E4M3(Bf16ToFloat(b))} << (8 * (k % 4));
+    }
+    reinterpret_cast<uint2*>(layer + slot * D)[v] = make_uint2(out[0], out[1]);
+  }
+}
+
+}  // namespace indexer::kernels::cuda

@@ -1,0 +1,101 @@
+// Small device helpers shared by the CUDA selectors: tensor-core mma, ldmatrix, cp.async,
+// fp8 -> bf16 conversion, key loads, and the forced-score rule of SPEC.md.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/numeric.h"
+
+namespace indexer::kernels::cuda {
+
+// D = A(16x16, row) * B(16x8, col) + D, bf16 inputs, fp32 accumulate.
+__device__ __forceinline__ void MmaBf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D = A(16x16, row) * B(16x8, col) + D, f16 inputs, fp32 accumulate.
+__device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16-byte global -> shared copy that bypasses L1.
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Streaming 16-byte load: keys are read once, keep them out of L1.
+__device__ __forceinline__ uint4 LoadStream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Two e4m3 bytes (low byte first) -> two bf16 in one register, exactly (every e4m3 value is a
+// bf16 value): e4m3 -> f16 in hardware, then f16 -> f32 -> bf16, both exact here.
+__device__ __forceinline__ uint32_t Fp8x2ToBf16x2(uint16_t v) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// Two e4m3 bytes (low byte first) -> two f16 in one register, exactly, in one instruction.
+__device__ __forceinline__ uint32_t Fp8x2ToF16x2(uint16_t v) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(v));
+  return h;
+}
+
+// Two bf16 -> two f16. Exact only for values that f16 represents (the backend routes queries
+// outside [2^-14, 65504] elsewhere).
+__device__ __forceinline__ uint32_t Bf16x2ToF16x2(uint32_t v) {
+  const float lo = __uint_as_float(v << 16);
+  const float hi = __uint_as_float(v & 0xffff0000u);
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// SPEC.md step 3 for block b of a row that sees v blocks.
+__device__ __forceinline__ float ForcedScore(float raw, int64_t b, int64_t v, int init_blocks,
+                                             int local_blocks) {
+  float s = raw;
+  if (b < init_blocks) s = kInitScore;
+  if (b >= v - local_blocks) s = kLocalScore;
+  return s;
+}
+
+// max that leaves NaN out: the running value starts as NaN ("none yet").
+__device__ __forceinline__ float MaxSkipNaN(float acc, float x) { return fmaxf(acc, x); }
+
+__device__ __forceinline__ float NaNf() { return __int_as_float(0x7fffffff); }
+
+}  // namespace indexer::kernels::cuda

@@ -1,0 +1,47 @@
+#include "kernels/cuda/select_batch.h"
+
+#include <algorithm>
+#include <span>
+
+#include "kernels/cuda/launchers.h"
+
+namespace indexer::kernels::cuda {
+
+int64_t SelectBatch::ScoreFloats() const {
+  return std::max({decode.score_floats, prefill.score_floats, exact.score_floats, int64_t{1}});
+}
+
+SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
+                            int num_sms, int head_dim) {
+  SelectBatch b;
+  for (SpanPath want : {SpanPath::kDecode, SpanPath::kPrefill, SpanPath::kExact}) {
+    for (size_t i = 0; i < spans.size(); ++i) {
+      if (paths[i] != want) continue;
+      b.order.push_back(i);
+      b.descs.push_back(spans[i]);
+    }
+    const size_t n = b.descs.size() - (b.n_decode + b.n_prefill + b.n_exact);
+    (want == SpanPath::kDecode ? b.n_decode : want == SpanPath::kPrefill ? b.n_prefill : b.n_exact) = n;
+  }
+  SpanDesc* d = b.descs.data();
+  b.decode = PlanDecode(std::span<SpanDesc>(d, b.n_decode), num_sms);
+  b.prefill = PlanPrefill(std::span<SpanDesc>(d + b.n_decode, b.n_prefill), head_dim);
+  b.exact = PlanPrefill(std::span<SpanDesc>(d + b.n_decode + b.n_prefill, b.n_exact), head_dim);
+  return b;
+}
+
+cudaError_t LaunchSelectBatch(const SelectBatch& b, const SpanDesc* d_descs, KeyStorage storage,
+                              int head_dim, PageTableParams pt, float* scores, int* counters,
+                              cudaStream_t stream) {
+  // The three groups share `scores`: they run one after the other on the stream.
+  cudaError_t err = LaunchDecodeSelect(d_descs, static_cast<int>(b.n_decode), b.decode, storage,
+                                       head_dim, pt, scores, counters, stream);
+  if (err != cudaSuccess) return err;
+  err = LaunchPrefillSelect(d_descs + b.n_decode, static_cast<int>(b.n_prefill), b.prefill,
+                            storage, head_dim, pt, scores, stream);
+  if (err != cudaSuccess) return err;
+  return LaunchExactSelect(d_descs + b.n_decode + b.n_prefill, static_cast<int>(b.n_exact),
+                           b.exact, storage, head_dim, pt, scores, stream);
+}
+
+}  // namespace indexer::kernels::cuda

@@ -1,0 +1,34 @@
+// SelectBatch: the host side of one batched selection on the GPU, shared by the CUDA backend,
+// the GPU tests and the benchmark: orders spans by the path they take (decode, prefill, exact),
+// plans each group, and launches the three selectors on one stream.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <vector>
+
+#include "kernels/cuda/span_desc.h"
+
+namespace indexer::kernels::cuda {
+
+struct SelectBatch {
+  std::vector<SpanDesc> descs;  // grouped: decode spans, then prefill, then exact
+  std::vector<size_t> order;    // descs[k] describes the caller's span order[k]
+  size_t n_decode = 0, n_prefill = 0, n_exact = 0;
+  DecodePlan decode;
+  PrefillPlan prefill, exact;
+  int64_t ScoreFloats() const;
+};
+
+// `spans` in the caller's order with their paths (ChoosePath); plans every group.
+SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
+                            int num_sms, int head_dim);
+
+// Launches the groups of `batch`, whose descriptors are at `d_descs` (device, same order as
+// batch.descs). `scores` holds batch.ScoreFloats() floats; `counters` batch.n_decode ints, zero.
+cudaError_t LaunchSelectBatch(const SelectBatch& batch, const SpanDesc* d_descs, KeyStorage storage,
+                              int head_dim, PageTableParams pt, float* scores, int* counters,
+                              cudaStream_t stream);
+
+}  // namespace indexer::kernels::cuda

@@ -1,0 +1,79 @@
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/span_desc.h"
+
+namespace indexer::kernels::cuda {
+
+DecodePlan PlanDecode(std::span<SpanDesc> spans, int num_sms, int max_chunk_blocks) {
+  DecodePlan plan;
+  int64_t total_blocks = 0;
+  for (SpanDesc& s : spans) {
+    s.visible_blocks = static_cast<int32_t>(VisibleBlocks(s.start_pos + s.num_tokens - 1));
+    total_blocks += s.visible_blocks;
+  }
+  // One wave of CTAs (two per multiprocessor) when the batch is small, so one long span spreads
+  // over the whole GPU; fatter CTAs (up to 32 blocks, 1 MB of bf16 keys) when it is large, so
+  // per-CTA set-up and the final atomics are amortised.
+  const int64_t slots = int64_t{2} * std::max(1, num_sms);
+  const int32_t chunk = static_cast<int32_t>(
+      std::clamp<int64_t>((total_blocks + slots - 1) / slots, 1, std::max(1, max_chunk_blocks)));
+  plan.max_chunk_blocks = chunk;
+  for (SpanDesc& s : spans) {
+    s.row_tiles = 1;
+    s.chunk_blocks = chunk;
+    s.block_chunks = (s.visible_blocks + chunk - 1) / chunk;
+    s.unit_begin = plan.total_units;
+    s.score_offset = plan.score_floats;
+    plan.total_units += s.block_chunks;
+    plan.score_floats += int64_t{s.Rows()} * s.visible_blocks;
+    plan.max_rows = std::max(plan.max_rows, s.Rows());
+    plan.max_visible_blocks = std::max(plan.max_visible_blocks, s.visible_blocks);
+  }
+  return plan;
+}
+
+PrefillPlan PlanPrefill(std::span<SpanDesc> spans, int head_dim) {
+  PrefillPlan plan;
+  const int row_tile = PrefillRowTile(head_dim);
+  for (SpanDesc& s : spans) {
+    s.visible_blocks = static_cast<int32_t>(VisibleBlocks(s.start_pos + s.num_tokens - 1));
+    s.row_tiles = (s.Rows() + row_tile - 1) / row_tile;
+    // 16 blocks (2 MB of bf16 keys) per CTA: enough to amortise loading the query tile, small
+    // enough that causal triangles and long prefixes split into many CTAs.
+    s.chunk_blocks = 16;
+    s.block_chunks = (s.visible_blocks + s.chunk_blocks - 1) / s.chunk_blocks;
+    s.unit_begin = plan.total_units;
+    s.score_offset = plan.score_floats;
+    s.topk_group_begin = plan.total_topk_groups;
+    plan.total_units += s.row_tiles * s.block_chunks;
+    const int rows_per_group = TopkRowsPerGroup(s.visible_blocks);
+    plan.total_topk_groups += (s.Rows() + rows_per_group - 1) / rows_per_group;
+    plan.score_floats += int64_t{s.Rows()} * s.visible_blocks;
+    plan.max_visible_blocks = std::max(plan.max_visible_blocks, s.visible_blocks);
+  }
+  return plan;
+}
+
+Bf16Range ScanBf16(const uint16_t* values, int64_t n) {
+  Bf16Range r;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(Bf16ToFloat(values[i]));
+    r.max_abs = std::max(r.max_abs, a);
+    if (a != 0.0f && (a < 0x1p-14f || a > 65504.0f)) r.fits_f16 = false;
+  }
+  return r;
+}
+
+SpanPath ChoosePath(int rows, int head_dim, KeyStorage storage, const Bf16Range& queries,
+                    float max_abs_key) {
+  // Bound on any partial sum's magnitude; past 2^126 fp32 overflow (Inf, NaN) becomes possible
+  // and the tensor cores, which keep products exact, could answer differently.
+  const double bound = static_cast<double>(head_dim) * queries.max_abs * max_abs_key;
+  if (bound >= 0x1p126) return SpanPath::kExact;
+  if (rows > MaxDecodeRows(head_dim)) return SpanPath::kPrefill;
+  if (storage != KeyStorage::kBf16 && !queries.fits_f16) return SpanPath::kExact;
+  return SpanPath::kDecode;
+}
+
+}  // namespace indexer::kernels::cuda

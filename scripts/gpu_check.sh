@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Runs on a machine with an NVIDIA GPU (sm_90), from the repository root, after
+# scripts/gpu_bundle.sh made .device/: the GPU test suite, a compute-sanitizer pass, the kernel
+# benchmark and, right after it on the same GPU, the seed's benchmark, then the ratio table.
+# Logs go to $OUT (default ./gpu-out).
+#
+#   scripts/gpu_check.sh [tests|bench|all]    (default all)
+#     tests: GPU tests and compute-sanitizer; bench: our benchmark only; all: both, then the seed
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+what=${1:-all}
+out=${OUT:-$root/gpu-out}
+mkdir -p "$out"
+bundle=.device/bundle
+export LD_LIBRARY_PATH=$root/$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+status=0
+step() { echo; echo "=== $* ==="; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$out/nvidia-smi.txt"
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  step "GPU tests (kernels vs CPU reference)"
+  $bundle/gpu_select_test 2>&1 | tee "$out/gpu_select_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure|error|seed' || true
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  step "CUDA backend vs CPU backend through the engine"
+  $bundle/cuda_backend_test 2>&1 | tee "$out/cuda_backend_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure' || true
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer $tool"
+    compute-sanitizer --tool $tool --error-exitcode 9 $bundle/gpu_select_test --gtest_filter='*SanitizerSmall*' \
+      >> "$out/sanitizer.log" 2>&1
+    rc=$?
+    tail -n 3 "$out/sanitizer.log"
+    [ $rc -eq 0 ] || { echo "compute-sanitizer $tool: exit $rc"; status=1; }
+  done
+fi
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  step "the service on the GPU: indexer-server --device=cuda driven by indexer-cli demo"
+  $bundle/indexer-server --listen=127.0.0.1:50191 --device=cuda --capacity=16GiB > "$out/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 100); do $bundle/indexer-cli --server=127.0.0.1:50191 health >/dev/null 2>&1 && break; sleep 0.2; done
+  $bundle/indexer-cli --server=127.0.0.1:50191 demo --sequences=32 --tokens=32768 --steps=64 2>&1 | tee -a "$out/server.log" || status=1
+  kill -TERM $server; wait $server || { echo "indexer-server exited $?"; status=1; }
+  grep -E "serving on|stopped" "$out/server.log"
+fi
+
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  step "kernel benchmark"
+  $bundle/indexer-kernel-bench --preset=all --storage=both > "$out/kernel_bench.jsonl" 2>&1 || status=1
+  grep -v '^{' "$out/kernel_bench.jsonl"
+fi
+if [ "$what" = sweep ]; then
+  # Blocks per CTA against bandwidth on the large decode cases.
+  for chunk in 4 8 16 32 64 128; do
+    step "max-chunk $chunk"
+    $bundle/indexer-kernel-bench --case=256,131072,1,1,uniform --case=256,131072,4,1,uniform \
+      --case=1,131072,1,1,uniform --storage=bf16 --reps=50 --max-chunk=$chunk | grep -v '^{'
+  done
+fi
+if [ "$what" = profile ]; then
+  # Nsight Compute on a few decode cases (clocks left alone): where the time goes.
+  for c in ${PROFILE_CASES:-1,4096,1,1,uniform 1,131072,4,1,uniform 256,131072,1,1,uniform}; do
+    step "ncu $c"
+    ncu --clock-control none --kernel-name regex:DecodeSelect --launch-skip 25 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+      --section LaunchStats $bundle/indexer-kernel-bench --case=$c --storage=${PROFILE_STORAGE:-bf16} --reps=10 \
+      > "$out/ncu_${c//,/_}.txt" 2>&1
+    grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles Per Issued|Grid Size|Dynamic Shared" "$out/ncu_${c//,/_}.txt" | head -30
+  done
+fi
+if [ "$what" = all ]; then
+  step "seed benchmark (same GPU, right after)"
+  PYTHONUNBUFFERED=1 python3 .device/bench/seed_bench.py --preset all --json "$out/seed.json" > "$out/seed_bench.log" 2>&1 || status=1
+  tail -n 20 "$out/seed_bench.log"
+  # Few files come back from the GPU machine: keep the seed's log with ours.
+  cat "$out/seed_bench.log" >> "$out/kernel_bench.jsonl" && rm -f "$out/seed_bench.log"
+  step "ratios"
+  python3 scripts/compare_seed.py "$out/kernel_bench.jsonl" "$out/seed.json" | tee "$out/compare.txt"
+fi
+exit $status

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs every system package indexer needs to build, test and run, with apt-get.
+# Idempotent: installs only what is missing. Debian 12 (bookworm) and Ubuntu 24.04 (noble).
+# The CUDA toolkit is not installed here: where nvcc is on PATH (or /usr/local/cuda/bin) the
+# CUDA backend is built too; without it the build has the CPU backend only.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config git ca-certificates
+  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
+  libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev prometheus-cpp-dev
+  python3 python3-grpcio python3-numpy python3-protobuf
+  procps
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all ${#packages[@]} packages already installed"
+  exit 0
+fi
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "setup: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -q
+$sudo apt-get install -y -q --no-install-recommends "${missing[@]}"

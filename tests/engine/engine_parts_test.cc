@@ -1,0 +1,341 @@
+// The engine's building blocks on their own: PagePool, ThreadPool, DecodeRows, EngineConfig.
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+#include "engine/config.h"
+#include "engine/page_pool.h"
+#include "engine/thread_pool.h"
+#include "engine/wire_values.h"
+#include "kernels/numeric.h"
+
+namespace indexer::engine {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// PagePool
+
+void ExpectRefs(const PagePool& pool, const std::vector<int32_t>& want) {
+  for (int32_t p = 0; p < static_cast<int32_t>(want.size()); ++p) {
+    EXPECT_EQ(pool.RefCount(p), want[p]) << "page " << p;
+  }
+}
+
+TEST(PagePool, AllocateIsAllOrNothing) {
+  PagePool pool(8);
+  EXPECT_EQ(pool.total_pages(), 8);
+  EXPECT_EQ(pool.free_pages(), 8);
+  ExpectRefs(pool, std::vector<int32_t>(8, 0));
+
+  absl::StatusOr<std::vector<int32_t>> a = pool.Allocate(3);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(a->size(), 3u);
+  EXPECT_EQ(std::set<int32_t>(a->begin(), a->end()).size(), 3u);
+  for (int32_t p : *a) {
+    EXPECT_GE(p, 0);
+    EXPECT_LT(p, 8);
+    EXPECT_EQ(pool.RefCount(p), 1);
+  }
+  EXPECT_EQ(pool.free_pages(), 5);
+
+  std::vector<int32_t> before(8);
+  for (int32_t p = 0; p < 8; ++p) before[p] = pool.RefCount(p);
+  absl::StatusOr<std::vector<int32_t>> too_many = pool.Allocate(6);
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool.free_pages(), 5);
+  ExpectRefs(pool, before);
+
+  absl::StatusOr<std::vector<int32_t>> empty = pool.Allocate(0);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_TRUE(empty->empty());
+  EXPECT_EQ(pool.free_pages(), 5);
+
+  absl::StatusOr<std::vector<int32_t>> rest = pool.Allocate(5);
+  ASSERT_TRUE(rest.ok());
+  EXPECT_EQ(pool.free_pages(), 0);
+  std::set<int32_t> all(a->begin(), a->end());
+  all.insert(rest->begin(), rest->end());
+  EXPECT_EQ(all.size(), 8u);
+  EXPECT_EQ(pool.Allocate(1).status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(PagePool, RefCountsAndRelease) {
+  PagePool pool(4);
+  std::vector<int32_t> a = *pool.Allocate(2);
+  pool.AddRef(a);
+  for (int32_t p : a) EXPECT_EQ(pool.RefCount(p), 2);
+  EXPECT_EQ(pool.Release(a), 0);  // still one reference each
+  EXPECT_EQ(pool.free_pages(), 2);
+  for (int32_t p : a) EXPECT_EQ(pool.RefCount(p), 1);
+  pool.AddRef(std::vector<int32_t>{a[0]});
+  // One call may drop two references of one page.
+  EXPECT_EQ(pool.Release(std::vector<int32_t>{a[0], a[0], a[1]}), 2);
+  EXPECT_EQ(pool.free_pages(), 4);
+  EXPECT_EQ(pool.RefCount(a[0]), 0);
+  EXPECT_EQ(pool.RefCount(a[1]), 0);
+  // Released pages are handed out again.
+  std::vector<int32_t> b = *pool.Allocate(4);
+  EXPECT_EQ(std::set<int32_t>(b.begin(), b.end()), (std::set<int32_t>{0, 1, 2, 3}));
+}
+
+TEST(PagePool, RandomOperationsMatchAModel) {
+  std::mt19937_64 rng(31337);
+  const int kPages = 40;
+  PagePool pool(kPages);
+  std::vector<int32_t> refs(kPages, 0);
+  for (int op = 0; op < 20000; ++op) {
+    const int kind = static_cast<int>(rng() % 3);
+    const int64_t free_now = std::count(refs.begin(), refs.end(), 0);
+    if (kind == 0) {
+      const int64_t n = static_cast<int64_t>(rng() % 8);
+      absl::StatusOr<std::vector<int32_t>> got = pool.Allocate(n);
+      if (n > free_now) {
+        ASSERT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted);
+      } else {
+        ASSERT_TRUE(got.ok());
+        ASSERT_EQ(static_cast<int64_t>(got->size()), n);
+        for (int32_t p : *got) {
+          ASSERT_EQ(refs[p], 0) << "allocated a page in use";
+          refs[p] = 1;
+        }
+      }
+    } else {
+      std::vector<int32_t> used;
+      for (int32_t p = 0; p < kPages; ++p) {
+        if (refs[p] > 0 && rng() % 3 == 0) used.push_back(p);
+      }
+      if (kind == 1) {
+        pool.AddRef(used);
+        for (int32_t p : used) ++refs[p];
+      } else {
+        int64_t freed = 0;
+        for (int32_t p : used) freed += --refs[p] == 0;
+        ASSERT_EQ(pool.Release(used), freed);
+      }
+    }
+    ASSERT_EQ(pool.free_pages(), std::count(refs.begin(), refs.end(), 0)) << "op " << op;
+    if (op % 97 == 0) {
+      for (int32_t p = 0; p < kPages; ++p) ASSERT_EQ(pool.RefCount(p), refs[p]);
+    }
+  }
+}
+
+TEST(PagePool, ConcurrentAllocateAndReleaseKeepExactCounts) {
+  PagePool pool(64);
+  std::vector<std::thread> threads;
+  std::atomic<int> exhausted{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      for (int i = 0; i < 5000; ++i) {
+        absl::StatusOr<std::vector<int32_t>> got = pool.Allocate(1 + rng() % 20);
+        if (!got.ok()) {
+          ++exhausted;
+          continue;
+        }
+        pool.AddRef(*got);
+        pool.Release(*got);
+        pool.Release(*got);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(pool.free_pages(), 64);
+  for (int32_t p = 0; p < 64; ++p) EXPECT_EQ(pool.RefCount(p), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ThreadPool
+
+void ExpectEachIndexOnce(ThreadPool& pool, int64_t n) {
+  std::vector<std::atomic<int>> hits(n);
+  pool.ParallelFor(n, [&](int64_t i) { hits[i].fetch_add(1); });
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "index " << i << " of " << n;
+}
+
+TEST(ThreadPool, ParallelForCoversEveryIndexExactlyOnce) {
+  for (int threads : {0, 1, 3}) {
+    ThreadPool pool(threads);
+    EXPECT_EQ(pool.size(), threads);
+    for (int64_t n : {0, 1, 2, 3, 7, 64, 1000, 100000}) {
+      SCOPED_TRACE(::testing::Message() << threads << " threads, n " << n);
+      ExpectEachIndexOnce(pool, n);
+    }
+  }
+}
+
+TEST(ThreadPool, ReturnsOnlyAfterEveryBodyHasFinished) {
+  ThreadPool pool(3);
+  for (int round = 0; round < 50; ++round) {
+    std::atomic<int> finished{0};
+    pool.ParallelFor(16, [&](int64_t i) {
+      if (i % 3 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      finished.fetch_add(1);
+    });
+    ASSERT_EQ(finished.load(), 16) << "round " << round;
+  }
+}
+
+TEST(ThreadPool, NestedLoopsFinish) {
+  ThreadPool pool(2);
+  const int kOuter = 12, kInner = 500;
+  std::vector<std::atomic<int>> hits(kOuter * kInner);
+  pool.ParallelFor(kOuter, [&](int64_t o) {
+    pool.ParallelFor(kInner, [&](int64_t i) { hits[o * kInner + i].fetch_add(1); });
+  });
+  for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+}
+
+TEST(ThreadPool, ConcurrentLoopsFromManyThreadsFinish) {
+  ThreadPool pool(2);
+  std::vector<std::thread> callers;
+  std::atomic<int64_t> total{0};
+  for (int t = 0; t < 6; ++t) {
+    callers.emplace_back([&] {
+      for (int round = 0; round < 30; ++round) {
+        std::vector<std::atomic<int>> hits(777);
+        pool.ParallelFor(777, [&](int64_t i) { hits[i].fetch_add(1); });
+        for (auto& h : hits) {
+          if (h.load() != 1) ADD_FAILURE() << "an index ran " << h.load() << " times";
+        }
+        total.fetch_add(777);
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  EXPECT_EQ(total.load(), 6 * 30 * 777);
+}
+
+TEST(ThreadPool, DestructionAfterManyShortLoops) {
+  for (int i = 0; i < 50; ++i) {
+    ThreadPool pool(3);
+    ExpectEachIndexOnce(pool, 5);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DecodeRows
+
+std::string Bf16Bytes(const std::vector<uint16_t>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 2);
+}
+std::string Fp32Bytes(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+TEST(DecodeRows, Bf16RowsArePassedThrough) {
+  const std::vector<uint16_t> in = {0x3f80, 0xc000, 0x8000, 0x7f7f, 0x0001, 0x4040};
+  const std::string bytes = Bf16Bytes(in);
+  std::vector<uint16_t> out;
+  int64_t rows = -1;
+  ASSERT_TRUE(DecodeRows(bytes, WireDtype::kBf16, 3, "keys", &out, &rows).ok());
+  EXPECT_EQ(rows, 2);
+  EXPECT_EQ(out, in);
+}
+
+TEST(DecodeRows, Fp32RoundsToBf16TiesToEven) {
+  // 1 + 2^-8 -> 1.0 (tie, even); 1 + 3 * 2^-8 -> 0x3f82 (tie, even); -2.5 exact; 1 + 2^-7 + tiny
+  // -> 0x3f81 (nearest); the largest fp32 below the bf16 overflow tie stays finite (0x7f7f).
+  const std::vector<float> in = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -2.5f,
+                                 1.0f + 0x1p-7f + 0x1p-20f, FromBits(0x7f7f7fffu), -0.0f};
+  const std::string bytes = Fp32Bytes(in);
+  std::vector<uint16_t> out;
+  int64_t rows = -1;
+  ASSERT_TRUE(DecodeRows(bytes, WireDtype::kFp32, 2, "queries", &out, &rows).ok());
+  EXPECT_EQ(rows, 3);
+  EXPECT_EQ(out, (std::vector<uint16_t>{0x3f80, 0x3f82, 0xc020, 0x3f81, 0x7f7f, 0x8000}));
+}
+
+void ExpectInvalid(const absl::Status& s, const std::string& needle) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find(needle), std::string::npos)
+      << "message '" << s.message() << "' does not contain '" << needle << "'";
+}
+
+TEST(DecodeRows, RefusesBadDtypesAndSizesNamingTheField) {
+  std::vector<uint16_t> out;
+  int64_t rows = 0;
+  const std::string six_bf16 = Bf16Bytes(std::vector<uint16_t>(6, 0x3f80));
+  ExpectInvalid(DecodeRows(six_bf16, WireDtype::kUnspecified, 3, "my_keys", &out, &rows), "my_keys");
+  ExpectInvalid(DecodeRows("", WireDtype::kBf16, 3, "my_keys", &out, &rows), "my_keys");
+  // 6 bf16 values are not whole rows of 4.
+  ExpectInvalid(DecodeRows(six_bf16, WireDtype::kBf16, 4, "my_keys", &out, &rows), "my_keys");
+  // An odd number of bytes.
+  ExpectInvalid(DecodeRows(six_bf16.substr(0, 11), WireDtype::kBf16, 1, "my_keys", &out, &rows),
+                "my_keys");
+  // fp32: 12 bytes are 3 values, not whole rows of 2; 14 bytes are not whole values.
+  const std::string fp32 = Fp32Bytes({1.0f, 2.0f, 3.0f, 4.0f});
+  ExpectInvalid(DecodeRows(fp32.substr(0, 12), WireDtype::kFp32, 2, "my_q", &out, &rows), "my_q");
+  ExpectInvalid(DecodeRows(fp32.substr(0, 14), WireDtype::kFp32, 1, "my_q", &out, &rows), "my_q");
+  // The same 12 bytes read as bf16 are 6 values: 2 rows of 3.
+  ASSERT_TRUE(DecodeRows(fp32.substr(0, 12), WireDtype::kBf16, 3, "my_q", &out, &rows).ok());
+  EXPECT_EQ(rows, 2);
+}
+
+TEST(DecodeRows, RefusesNonFiniteValuesNamingFieldAndPosition) {
+  std::vector<uint16_t> out;
+  int64_t rows = 0;
+  for (uint16_t bad : {uint16_t{0x7fc0}, uint16_t{0x7f80}, uint16_t{0xff80}, uint16_t{0xffc1}}) {
+    std::vector<uint16_t> in(8, 0x3f80);
+    in[6] = bad;  // row 1, column 2 of rows of 4
+    ExpectInvalid(DecodeRows(Bf16Bytes(in), WireDtype::kBf16, 4, "keys", &out, &rows), "keys[1][2]");
+  }
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity(), FLT_MAX, -3.4e38f,
+                    FromBits(0x7f7f8000u)}) {
+    std::vector<float> in(8, 1.0f);
+    in[5] = bad;  // row 1, column 1 of rows of 4
+    ExpectInvalid(DecodeRows(Fp32Bytes(in), WireDtype::kFp32, 4, "queries", &out, &rows),
+                  "queries[1][1]");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// EngineConfig
+
+TEST(EngineConfig, ValidateNamesTheSettingOutOfRange) {
+  EngineConfig ok;
+  EXPECT_TRUE(ok.Validate().ok()) << ok.Validate();
+  EngineConfig c = ok;
+  c.head_dim = 96;
+  ExpectInvalid(c.Validate(), "head_dim");
+  c = ok;
+  c.layers = 0;
+  ExpectInvalid(c.Validate(), "layers");
+  c = ok;
+  c.defaults.topk = c.max_topk + 1;
+  ExpectInvalid(c.Validate(), "topk");
+  c = ok;
+  c.page_table.block_page_stride = c.page_table.pages_per_block - 1;
+  ExpectInvalid(c.Validate(), "block_page_stride");
+  c = ok;
+  c.capacity_pages = 0;
+  ExpectInvalid(c.Validate(), "capacity_pages");
+  EXPECT_EQ(ok.BytesPerPage(), 128 * 128 * 2);
+  c = ok;
+  c.key_storage = kernels::KeyStorage::kFp8E4M3;
+  c.layers = 3;
+  EXPECT_EQ(c.BytesPerPage(), 128 * 128 * 1 * 3);
+}
+
+}  // namespace
+}  // namespace indexer::engine

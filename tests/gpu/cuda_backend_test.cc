@@ -1,0 +1,141 @@
+// The CUDA backend behind the engine answers exactly as the CPU backend does: the same random
+// sequence of appends (one layer and all layers), forks (copy-on-write on the GPU), truncations
+// and selections (decode and prefill shapes, batched), on integer-valued keys so sums are exact.
+// Skips (with a message) where no GPU is usable.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/cpu_backend.h"
+#include "engine/cuda/cuda_backend.h"
+#include "engine/engine.h"
+#include "kernels/numeric.h"
+
+namespace indexer::engine {
+namespace {
+
+std::string Bf16Bytes(const std::vector<uint16_t>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 2);
+}
+
+std::vector<uint16_t> IntegerValues(size_t n, std::mt19937_64& rng) {
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = kernels::FloatToBf16(static_cast<float>(static_cast<int>(rng() % 9) - 4));
+  return v;
+}
+
+class CudaBackendTest : public ::testing::TestWithParam<kernels::KeyStorage> {
+ protected:
+  void SetUp() override {
+    const absl::Status gpu = CudaDeviceAvailable();
+    if (!gpu.ok()) GTEST_SKIP() << "GPU tests skipped: no usable CUDA device (" << gpu.message() << ")";
+    config_.head_dim = 128;
+    config_.layers = 3;
+    config_.key_storage = GetParam();
+    config_.capacity_pages = 4096;
+    config_.max_index_heads = 16;
+    ASSERT_TRUE(config_.Validate().ok());
+    cpu_ = std::make_unique<Engine>(config_, std::make_unique<CpuBackend>(config_));
+    auto cuda = MakeCudaBackend(config_);
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    gpu_ = std::make_unique<Engine>(config_, std::move(*cuda));
+  }
+
+  EngineConfig config_;
+  std::unique_ptr<Engine> cpu_, gpu_;
+};
+
+TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int d = config_.head_dim;
+  std::vector<std::string> live;
+  int next_id = 0;
+  for (int op = 0; op < 300; ++op) {
+    const int kind = static_cast<int>(rng() % 10);
+    if (live.empty() || kind < 3) {  // append, creating when new
+      const std::string id = live.empty() || rng() % 3 == 0 ? "s" + std::to_string(next_id++)
+                                                            : live[rng() % live.size()];
+      AppendRequest a;
+      a.sequence_id = id;
+      a.all_layers = rng() % 2 == 0;
+      a.layer = static_cast<int64_t>(rng() % config_.layers);
+      a.dtype = WireDtype::kBf16;
+      const int64_t n = 1 + static_cast<int64_t>(rng() % 700);
+      const std::string keys = Bf16Bytes(IntegerValues(n * (a.all_layers ? config_.layers : 1) * d, rng));
+      a.keys = keys;
+      auto c = cpu_->Append(a);
+      auto g = gpu_->Append(a);
+      ASSERT_EQ(c.ok(), g.ok()) << c.status() << " vs " << g.status();
+      if (c.ok()) {
+        ASSERT_EQ(c->lengths, g->lengths);
+        if (c->created) live.push_back(id);
+      }
+    } else if (kind == 3) {  // fork
+      const std::string src = live[rng() % live.size()];
+      const std::string dst = "s" + std::to_string(next_id++);
+      std::optional<int64_t> len;
+      if (rng() % 2) len = static_cast<int64_t>(rng() % 2000);
+      auto c = cpu_->Fork(src, dst, len);
+      auto g = gpu_->Fork(src, dst, len);
+      ASSERT_EQ(c.ok(), g.ok());
+      if (c.ok()) live.push_back(dst);
+    } else if (kind == 4) {  // truncate
+      const std::string id = live[rng() % live.size()];
+      const int64_t len = static_cast<int64_t>(rng() % 3000);
+      ASSERT_EQ(cpu_->Truncate(id, len).ok(), gpu_->Truncate(id, len).ok());
+    } else if (kind == 5 && live.size() > 3) {  // release
+      const size_t i = rng() % live.size();
+      ASSERT_EQ(cpu_->Release(live[i]).ok(), gpu_->Release(live[i]).ok());
+      live.erase(live.begin() + i);
+    } else {  // a batch of selections over several sequences, decode and prefill shaped
+      std::vector<StepRequest> items;
+      std::vector<std::string> queries;
+      queries.reserve(8);
+      for (int i = 0; i < 8; ++i) {
+        const std::string& id = live[rng() % live.size()];
+        auto info = cpu_->Get(id);
+        ASSERT_TRUE(info.ok());
+        StepRequest s;
+        s.sequence_id = id;
+        s.layer = static_cast<int64_t>(rng() % config_.layers);
+        const int64_t len = info->lengths[s.layer];
+        if (len == 0) continue;
+        const bool prefill = rng() % 4 == 0;
+        const int64_t n = prefill ? 1 + static_cast<int64_t>(rng() % std::min<int64_t>(len, 300))
+                                  : 1 + static_cast<int64_t>(rng() % std::min<int64_t>(len, 4));
+        s.num_heads = 1 + static_cast<int64_t>(rng() % 4);
+        s.query_dtype = WireDtype::kBf16;
+        queries.push_back(Bf16Bytes(IntegerValues(n * s.num_heads * d, rng)));
+        s.queries = queries.back();
+        s.topk = 1 + static_cast<int64_t>(rng() % 32);
+        s.init_blocks = static_cast<int64_t>(rng() % 2);
+        s.local_blocks = static_cast<int64_t>(rng() % 3);
+        items.push_back(s);
+      }
+      auto c = cpu_->Batch(items);
+      auto g = gpu_->Batch(items);
+      for (size_t i = 0; i < items.size(); ++i) {
+        ASSERT_EQ(c[i].ok(), g[i].ok()) << c[i].status() << " vs " << g[i].status();
+        if (!c[i].ok()) continue;
+        ASSERT_EQ(c[i]->block_ids, g[i]->block_ids) << "item " << i << " op " << op;
+        ASSERT_EQ(c[i]->page_table, g[i]->page_table);
+        ASSERT_EQ(c[i]->context_lens, g[i]->context_lens);
+      }
+    }
+    ASSERT_EQ(cpu_->Stats().free_pages, gpu_->Stats().free_pages);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Storage, CudaBackendTest,
+                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3),
+                         [](const auto& info) {
+                           return info.param == kernels::KeyStorage::kBf16 ? std::string("bf16")
+                                                                            : std::string("fp8");
+                         });
+
+}  // namespace
+}  // namespace indexer::engine

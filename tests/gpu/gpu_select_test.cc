@@ -1,0 +1,353 @@
+// The CUDA selectors against the CPU reference (kernels/cpu_reference.h) on fresh random inputs
+// every run: odd shapes, ragged batches of 1 to 733 spans, lengths from 1 to 262144 with partial
+// pages, ties, NaN, forced blocks, n > 1, prefill chunks, bf16 and fp8, head_dim 64/128/256.
+// Outputs are poisoned before each launch. Skips (with a message) where no GPU is usable.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_resources.h"
+#include "kernels/cuda/launchers.h"
+#include "kernels/cuda/select_batch.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace indexer::testing {
+namespace {
+
+using kernels::KeyStorage;
+using kernels::cuda::SpanDesc;
+
+enum class Path { kAuto, kPrefillOnly, kExactOnly };
+
+#define CUDA_OK(expr)                                                           \
+  do {                                                                          \
+    const cudaError_t err_ = (expr);                                            \
+    ASSERT_EQ(cudaSuccess, err_) << #expr << ": " << cudaGetErrorString(err_); \
+  } while (0)
+
+class GpuSelectTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const absl::Status gpu = engine::CudaDeviceAvailable();
+    if (!gpu.ok()) GTEST_SKIP() << "GPU tests skipped: no usable CUDA device (" << gpu.message() << ")";
+    seed_ = std::random_device{}();
+    rng_.seed(seed_);
+    RecordProperty("seed", std::to_string(seed_));
+  }
+
+  // Uploads the case, runs it like the CUDA backend does (decode-shaped spans through the fused
+  // decode selector, the rest through prefill; or everything through prefill), `repeats` times
+  // with poisoned outputs, and checks every span every time.
+  void Run(PoolCase& c, Path path = Path::kAuto, int repeats = 2) {
+    SCOPED_TRACE("seed " + std::to_string(seed_));
+    BuildCase(c, rng_);
+    const int d = c.head_dim;
+    engine::DeviceBuffer pool, bt, attn, q, ids, table, ctx, descs, scores, counters;
+    ASSERT_TRUE(pool.Allocate(c.pool.size()).ok());
+    CUDA_OK(cudaMemcpy(pool.get(), c.pool.data(), c.pool.size(), cudaMemcpyHostToDevice));
+    std::vector<int64_t> bt_off, attn_off, q_off, ids_off, table_off;
+    std::vector<int32_t> h_bt, h_attn;
+    std::vector<uint16_t> h_q;
+    int64_t n_ids = 0, n_table = 0, n_rows = 0;
+    for (const SpanCase& s : c.spans) {
+      bt_off.push_back(static_cast<int64_t>(h_bt.size()));
+      h_bt.insert(h_bt.end(), s.block_table.begin(), s.block_table.end());
+      attn_off.push_back(static_cast<int64_t>(h_attn.size()));
+      h_attn.insert(h_attn.end(), s.attn_pages.begin(), s.attn_pages.end());
+      q_off.push_back(static_cast<int64_t>(h_q.size()));
+      h_q.insert(h_q.end(), s.queries.begin(), s.queries.end());
+      const int rows = s.num_tokens * s.num_heads;
+      ids_off.push_back(n_ids);
+      n_ids += int64_t{rows} * s.params.topk;
+      table_off.push_back(n_table);
+      n_table += s.attn ? int64_t{rows} * s.params.topk * c.pt.pages_per_block : 0;
+      n_rows += rows;
+    }
+    const auto upload = [](engine::DeviceBuffer& buf, const void* data, size_t bytes) {
+      ASSERT_TRUE(buf.Allocate(std::max<size_t>(bytes, 16)).ok());
+      if (bytes > 0) ASSERT_EQ(cudaSuccess, cudaMemcpy(buf.get(), data, bytes, cudaMemcpyHostToDevice));
+    };
+    upload(bt, h_bt.data(), h_bt.size() * 4);
+    upload(attn, h_attn.data(), h_attn.size() * 4);
+    upload(q, h_q.data(), h_q.size() * 2);
+    ASSERT_TRUE(ids.Allocate(n_ids * 4 + 16).ok());
+    ASSERT_TRUE(table.Allocate(n_table * 4 + 16).ok());
+    ASSERT_TRUE(ctx.Allocate(n_rows * 4 + 16).ok());
+
+    // Paths as the backend chooses them (or prefill for every span the exact path need not take).
+    std::vector<SpanDesc> spans(c.spans.size());
+    std::vector<kernels::cuda::SpanPath> paths(c.spans.size());
+    int64_t ctx_row = 0;
+    std::vector<int64_t> ctx_off(c.spans.size());
+    for (size_t i = 0; i < c.spans.size(); ++i) {
+      const SpanCase& s = c.spans[i];
+      const int rows = s.num_tokens * s.num_heads;
+      ctx_off[i] = ctx_row;
+      ctx_row += rows;
+      SpanDesc& desc = spans[i];
+      desc.keys = pool.get();
+      desc.block_table = bt.get<int32_t>() + bt_off[i];
+      desc.attn_pages = s.attn ? attn.get<int32_t>() + attn_off[i] : nullptr;
+      desc.queries = q.get<uint16_t>() + q_off[i];
+      desc.block_ids = ids.get<int32_t>() + ids_off[i];
+      desc.page_table = s.attn ? table.get<int32_t>() + table_off[i] : nullptr;
+      desc.context_lens = s.attn ? ctx.get<int32_t>() + ctx_off[i] : nullptr;
+      desc.start_pos = s.start_pos;
+      desc.num_tokens = s.num_tokens;
+      desc.num_heads = s.num_heads;
+      desc.topk = s.params.topk;
+      desc.init_blocks = s.params.init_blocks;
+      desc.local_blocks = s.params.local_blocks;
+      paths[i] = kernels::cuda::ChoosePath(rows, d, c.storage,
+                                           kernels::cuda::ScanBf16(s.queries.data(), int64_t{rows} * d),
+                                           c.max_abs_key);
+      if (path == Path::kPrefillOnly && paths[i] == kernels::cuda::SpanPath::kDecode) {
+        paths[i] = kernels::cuda::SpanPath::kPrefill;
+      }
+      if (path == Path::kExactOnly) paths[i] = kernels::cuda::SpanPath::kExact;
+    }
+    int sms = 0;
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const kernels::cuda::SelectBatch batch = kernels::cuda::PlanSelectBatch(spans, paths, sms, d);
+    upload(descs, batch.descs.data(), batch.descs.size() * sizeof(SpanDesc));
+    ASSERT_TRUE(scores.Allocate(batch.ScoreFloats() * 4).ok());
+    ASSERT_TRUE(counters.Allocate(std::max<size_t>(batch.n_decode, 1) * 4).ok());
+    CUDA_OK(cudaMemset(counters.get(), 0, counters.bytes()));
+    const auto* d_descs = descs.get<SpanDesc>();
+
+    std::vector<int32_t> got_ids(n_ids), got_table(n_table), got_ctx(n_rows);
+    for (int rep = 0; rep < repeats; ++rep) {
+      CUDA_OK(cudaMemset(ids.get(), 0x7f, ids.bytes()));  // poison: 0x7f7f7f7f
+      CUDA_OK(cudaMemset(table.get(), 0x7f, table.bytes()));
+      CUDA_OK(cudaMemset(ctx.get(), 0x7f, ctx.bytes()));
+      CUDA_OK(cudaMemset(scores.get(), 0xff, scores.bytes()));  // NaN: unwritten scores show
+      CUDA_OK(kernels::cuda::LaunchSelectBatch(batch, d_descs, c.storage, d, c.pt, scores.get<float>(),
+                                               counters.get<int>(), nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      CUDA_OK(cudaMemcpy(got_ids.data(), ids.get(), n_ids * 4, cudaMemcpyDeviceToHost));
+      if (n_table > 0) CUDA_OK(cudaMemcpy(got_table.data(), table.get(), n_table * 4, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(got_ctx.data(), ctx.get(), n_rows * 4, cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < c.spans.size(); ++i) {
+        const SpanCase& s = c.spans[i];
+        const std::string why = CheckSpan(c, s, got_ids.data() + ids_off[i],
+                                          got_table.data() + table_off[i], got_ctx.data() + ctx_off[i]);
+        ASSERT_EQ(why, "") << "span " << i << " of " << c.spans.size() << " (length " << s.length
+                           << ", n " << s.num_tokens << ", H " << s.num_heads << ", topk " << s.params.topk
+                           << ", init " << s.params.init_blocks << ", local " << s.params.local_blocks
+                           << ", head_dim " << d << (c.storage == KeyStorage::kBf16 ? ", bf16" : ", fp8")
+                           << ", repeat " << rep << ")";
+      }
+    }
+  }
+
+  SpanCase RandomSpan(int64_t max_len, int max_n, int max_rows) {
+    SpanCase s;
+    s.length = 1 + static_cast<int64_t>(rng_() % max_len);
+    s.num_tokens = 1 + static_cast<int>(rng_() % std::min<int64_t>(max_n, s.length));
+    s.num_heads = 1 + static_cast<int>(rng_() % std::max(1, max_rows / s.num_tokens));
+    s.params.topk = 1 + static_cast<int>(rng_() % 64);
+    s.params.init_blocks = static_cast<int>(rng_() % 3);
+    s.params.local_blocks = static_cast<int>(rng_() % 3);
+    s.attn = (rng_() % 2) == 0;
+    return s;
+  }
+
+  uint64_t seed_ = 0;
+  std::mt19937_64 rng_;
+};
+
+TEST_F(GpuSelectTest, SmallBoundaryLengthsEveryFormat) {
+  for (int d : {64, 128, 256}) {
+    for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+      for (Values v : {Values::kIntegers, Values::kReal}) {
+        PoolCase c;
+        c.head_dim = d;
+        c.storage = st;
+        c.values = v;
+        for (int64_t len : {1, 2, 127, 128, 129, 255, 256, 257, 1000, 4096}) {
+          SpanCase s;
+          s.length = len;
+          s.params.topk = 16;
+          s.attn = true;
+          c.spans.push_back(s);
+        }
+        Run(c);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+TEST_F(GpuSelectTest, RaggedDecodeBatches) {
+  for (int batch : {1, 3, 7, 19, 733}) {
+    for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+      PoolCase c;
+      c.storage = st;
+      c.values = (batch % 2) ? Values::kIntegers : Values::kReal;
+      c.pt.pages_per_block = 1 + static_cast<int>(rng_() % 16);
+      c.pt.block_page_stride = c.pt.pages_per_block + static_cast<int>(rng_() % 8);
+      for (int i = 0; i < batch; ++i) c.spans.push_back(RandomSpan(batch > 100 ? 3000 : 20000, 8, 32));
+      Run(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST_F(GpuSelectTest, OneShortAndOneLongInOneBatch) {
+  PoolCase c;
+  c.values = Values::kIntegers;
+  SpanCase shortest;
+  shortest.length = 5;
+  SpanCase longest;
+  longest.length = 262144;
+  longest.num_heads = 4;
+  c.spans = {shortest, longest, shortest};
+  Run(c);
+}
+
+TEST_F(GpuSelectTest, LongContexts) {
+  for (int64_t len : {131072, 262144 - 77}) {
+    for (int heads : {1, 4}) {
+      PoolCase c;
+      c.values = Values::kReal;
+      SpanCase s;
+      s.length = len;
+      s.num_heads = heads;
+      s.params.topk = 16;
+      s.params.init_blocks = 1;
+      s.attn = true;
+      c.spans = {s, s};
+      Run(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST_F(GpuSelectTest, SpeculativeSpansAndManyHeads) {
+  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+    PoolCase c;
+    c.storage = st;
+    c.values = Values::kIntegers;
+    for (int n = 1; n <= 8; ++n) {
+      SpanCase s;
+      s.length = 300 + 129 * n;
+      s.num_tokens = n;
+      s.num_heads = 32 / n;
+      s.params.topk = 8;
+      s.params.local_blocks = 2;
+      s.attn = true;
+      c.spans.push_back(s);
+    }
+    Run(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(GpuSelectTest, ExactTiesGoToTheLowerBlock) {
+  // Keys and queries in {-1, 0, 1}-ish integers: many blocks tie exactly.
+  PoolCase c;
+  c.values = Values::kIntegers;
+  for (int i = 0; i < 40; ++i) {
+    SpanCase s = RandomSpan(5000, 4, 16);
+    s.params.topk = 32;
+    c.spans.push_back(s);
+  }
+  Run(c);
+}
+
+TEST_F(GpuSelectTest, InfAndNaNDotProducts) {
+  PoolCase c;
+  c.values = Values::kIntegers;
+  c.huge_token_fraction = 0.3;
+  for (int i = 0; i < 20; ++i) c.spans.push_back(RandomSpan(3000, 4, 16));
+  Run(c);
+  if (HasFatalFailure()) return;
+  PoolCase every;  // every token NaN or Inf: whole blocks score -1e30 or +-Inf
+  every.values = Values::kIntegers;
+  every.huge_token_fraction = 1.0;
+  for (int i = 0; i < 5; ++i) every.spans.push_back(RandomSpan(2000, 2, 4));
+  Run(every);
+}
+
+TEST_F(GpuSelectTest, PrefillChunks) {
+  for (int d : {64, 128, 256}) {
+    for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+      PoolCase c;
+      c.head_dim = d;
+      c.storage = st;
+      c.values = (d == 128) ? Values::kReal : Values::kIntegers;
+      SpanCase fresh;  // a first chunk: causal from position 0
+      fresh.length = 1500;
+      fresh.num_tokens = 1500;
+      fresh.num_heads = 2;
+      fresh.params.topk = 12;
+      fresh.params.init_blocks = 1;
+      fresh.attn = true;
+      SpanCase later;  // a chunk after a prefix, ending before the sequence's end
+      later.length = 9000;
+      later.num_tokens = 777;
+      later.start_pos = 5000;
+      later.num_heads = 3;
+      later.params.topk = 40;
+      c.spans = {fresh, later};
+      Run(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST_F(GpuSelectTest, PrefillPathOnDecodeShapes) {
+  PoolCase c;
+  c.values = Values::kIntegers;
+  for (int i = 0; i < 19; ++i) c.spans.push_back(RandomSpan(6000, 8, 32));
+  Run(c, Path::kPrefillOnly);
+}
+
+TEST_F(GpuSelectTest, ExactPathOnOrdinaryInputs) {
+  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+    PoolCase c;
+    c.storage = st;
+    c.values = Values::kReal;  // the exact path matches the reference bit for bit: still exact
+    for (int i = 0; i < 7; ++i) c.spans.push_back(RandomSpan(3000, 8, 32));
+    Run(c, Path::kExactOnly);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(GpuSelectTest, MixedDecodeAndPrefillInOneBatch) {
+  PoolCase c;
+  c.values = Values::kReal;
+  for (int i = 0; i < 30; ++i) c.spans.push_back(RandomSpan(8000, 8, 32));
+  for (int i = 0; i < 3; ++i) c.spans.push_back(RandomSpan(4000, 600, 1200));
+  Run(c);
+}
+
+// A short, fixed set run under compute-sanitizer (memcheck and racecheck) by scripts/gpu_check.sh.
+TEST_F(GpuSelectTest, SanitizerSmall) {
+  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+    PoolCase c;
+    c.storage = st;
+    c.values = Values::kIntegers;
+    for (int64_t len : {1, 130, 700}) {
+      SpanCase s;
+      s.length = len;
+      s.num_heads = 2;
+      s.attn = true;
+      c.spans.push_back(s);
+    }
+    SpanCase p;
+    p.length = 400;
+    p.num_tokens = 40;
+    p.num_heads = 2;
+    p.attn = true;
+    c.spans.push_back(p);
+    Run(c, Path::kAuto, 1);
+    if (HasFatalFailure()) return;
+  }
+}
+
+}  // namespace
+}  // namespace indexer::testing

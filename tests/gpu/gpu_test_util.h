@@ -1,0 +1,57 @@
+// Helpers for the GPU tests: random key pools and spans, the CPU reference run on the same
+// inputs, and a checker that accepts a selection when it equals the reference, or, for
+// real-valued inputs, differs from it only where block scores differ by rounding.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/span_desc.h"
+#include "kernels/numeric.h"
+#include "kernels/select_types.h"
+
+namespace indexer::testing {
+
+enum class Values { kIntegers, kReal };
+
+// A host key pool in storage format plus the spans to select, with reference answers.
+struct SpanCase {
+  int64_t length = 1;  // tokens in the sequence
+  int num_tokens = 1;  // n
+  int num_heads = 1;   // H
+  kernels::SelectParams params;
+  bool attn = false;
+  int64_t start_pos = -1;  // default: length - n
+  // Filled by BuildCase:
+  std::vector<int32_t> block_table, attn_pages;
+  std::vector<uint16_t> queries;
+  std::vector<int32_t> ref_ids, ref_table, ref_ctx;
+  std::vector<float> ref_raw;  // [rows][V] raw scores of the reference
+};
+
+struct PoolCase {
+  int head_dim = 128;
+  kernels::KeyStorage storage = kernels::KeyStorage::kBf16;
+  Values values = Values::kReal;
+  // Fraction of tokens whose keys get +-3e38 in two dimensions, so that some dot products are
+  // +-Inf or NaN (bf16 storage with integer values only).
+  double huge_token_fraction = 0.0;
+  kernels::PageTableParams pt;
+  std::vector<SpanCase> spans;
+  int64_t num_pages = 0;
+  std::vector<uint8_t> pool;  // [num_pages][128][head_dim] in storage format
+  float max_abs_key = 0.0f;   // over the keys written (not the garbage past sequence ends)
+};
+
+// Fills block tables (a random permutation of the pool), keys, queries and attention pages, and
+// runs the reference. `rng` is seeded by the caller (printed on failure).
+void BuildCase(PoolCase& c, std::mt19937_64& rng);
+
+// Checks one span's device answers against its reference. Returns "" when they agree, else a
+// description of the first disagreement.
+std::string CheckSpan(const PoolCase& c, const SpanCase& s, const int32_t* ids,
+                      const int32_t* table, const int32_t* ctx);
+
+}  // namespace indexer::testing

@@ -1,0 +1,360 @@
+// kernels/numeric.h: bf16 and fp8 e4m3 rounding, and the selection order key.
+//
+// Expected values are worked out by hand in the comments (e4m3: 1 sign, 4 exponent bits with
+// bias 7, 3 mantissa bits; code = sign << 7 | exponent << 3 | mantissa; exponent 0 is subnormal,
+// value mantissa * 2^-9), and checked exhaustively against brute-force nearest-value rounding
+// written here, independent of numeric.h.
+#include "kernels/numeric.h"
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#if defined(INDEXER_TEST_HAVE_CUDA_FP8) && __has_include(<cuda_fp8.h>)
+#include <cuda_fp8.h>
+#define INDEXER_COMPARE_WITH_CUDA_FP8 1
+#else
+#define INDEXER_COMPARE_WITH_CUDA_FP8 0
+#endif
+
+namespace indexer::kernels {
+namespace {
+
+float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint32_t ToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// Value of an e4m3 code, from the format's definition (not from numeric.h).
+double Fp8Value(uint8_t code) {
+  const int e = (code >> 3) & 0xf;
+  const int m = code & 0x7;
+  const double mag = e == 0 ? std::ldexp(m, -9) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return (code & 0x80) ? -mag : mag;
+}
+
+// Brute force: the finite e4m3 code nearest to finite x, ties to the even code (codes of one sign
+// are ordered by value, so "even mantissa" is "even code"), saturating at +-448 by construction
+// (448 = code 0x7e is the nearest finite code to anything larger).
+uint8_t NearestFp8(float x) {
+  const double a = std::fabs(static_cast<double>(x));
+  uint8_t best = 0;
+  double best_err = std::numeric_limits<double>::infinity();
+  for (int c = 0; c <= 0x7e; ++c) {
+    const double err = std::fabs(Fp8Value(static_cast<uint8_t>(c)) - a);
+    if (err < best_err || (err == best_err && (c & 1) == 0)) {
+      best = static_cast<uint8_t>(c);
+      best_err = err;
+    }
+  }
+  return static_cast<uint8_t>(best | (std::signbit(x) ? 0x80 : 0));
+}
+
+// Brute force fp32 -> bf16 for finite f: of the two bf16 values around f, the nearer one, ties
+// to the even one. The value past the largest finite bf16 is 2^128, as if the exponent went on;
+// landing there means overflow to Inf, as IEEE rounding does.
+uint16_t NearestBf16(float f) {
+  const uint32_t u = ToBits(f);
+  const uint32_t sign = u & 0x80000000u;
+  const uint32_t mag = u & 0x7fffffffu;
+  const uint32_t lo = mag & 0xffff0000u;
+  const uint32_t hi = lo + 0x10000u;
+  const double v = std::fabs(static_cast<double>(f));
+  const double vlo = static_cast<double>(FromBits(lo));
+  const double vhi = hi == 0x7f800000u ? std::ldexp(1.0, 128) : static_cast<double>(FromBits(hi));
+  uint32_t pick;
+  if (v - vlo < vhi - v) {
+    pick = lo;
+  } else if (v - vlo > vhi - v) {
+    pick = hi;
+  } else {
+    pick = ((lo >> 16) & 1u) == 0 ? lo : hi;
+  }
+  return static_cast<uint16_t>((pick | sign) >> 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// fp8 e4m3
+
+TEST(Fp8E4M3, EveryFiniteCodeRoundTripsExactly) {
+  int checked = 0;
+  for (int c = 0; c < 256; ++c) {
+    if (c == 0x7f || c == 0xff) continue;  // the NaN codes never occur in the cache
+    const uint8_t code = static_cast<uint8_t>(c);
+    const float v = Fp8E4M3ToFloat(code);
+    EXPECT_EQ(static_cast<double>(v), Fp8Value(code)) << "code 0x" << std::hex << c;
+    EXPECT_EQ(std::signbit(v), (c & 0x80) != 0) << "code 0x" << std::hex << c;
+    EXPECT_EQ(FloatToFp8E4M3(v), code) << "code 0x" << std::hex << c << " value " << v;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 254);
+}
+
+TEST(Fp8E4M3, KnownCodes) {
+  EXPECT_EQ(FloatToFp8E4M3(1.0f), 0x38);     // exponent 7 (bias 7), mantissa 0
+  EXPECT_EQ(FloatToFp8E4M3(-2.0f), 0xc0);    // sign, exponent 8
+  EXPECT_EQ(FloatToFp8E4M3(448.0f), 0x7e);   // exponent 15, mantissa 6: the largest finite
+  EXPECT_EQ(FloatToFp8E4M3(0x1p-6f), 0x08);  // smallest normal
+  EXPECT_EQ(FloatToFp8E4M3(0x1p-9f), 0x01);  // smallest subnormal
+  EXPECT_EQ(FloatToFp8E4M3(7 * 0x1p-9f), 0x07);  // largest subnormal
+  EXPECT_EQ(Fp8E4M3ToFloat(0x7e), 448.0f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x01), 0x1p-9f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0xb9), -1.125f);
+}
+
+TEST(Fp8E4M3, TiesGoToEvenAtSeveralExponents) {
+  // [1, 2): step 2^-3. 1.0625 is halfway between 1.0 (mantissa 0, even) and 1.125 (1): -> 1.0.
+  EXPECT_EQ(FloatToFp8E4M3(1.0625f), 0x38);
+  // 1.1875 is halfway between 1.125 (mantissa 1) and 1.25 (mantissa 2, even): -> 1.25.
+  EXPECT_EQ(FloatToFp8E4M3(1.1875f), 0x3a);
+  // 1.9375 is halfway between 1.875 (mantissa 7, odd) and 2.0 (next exponent, mantissa 0): -> 2.
+  EXPECT_EQ(FloatToFp8E4M3(1.9375f), 0x40);
+  // [256, 448]: step 32. 272: 256 (even) vs 288 -> 256. 304: 288 vs 320 (even) -> 320.
+  EXPECT_EQ(FloatToFp8E4M3(272.0f), 0x78);
+  EXPECT_EQ(FloatToFp8E4M3(304.0f), 0x7a);
+  // 432: 416 (mantissa 5) vs 448 (mantissa 6, even) -> 448.
+  EXPECT_EQ(FloatToFp8E4M3(432.0f), 0x7e);
+  EXPECT_EQ(FloatToFp8E4M3(-432.0f), 0xfe);
+  // [2^-6, 2^-5): step 2^-9. 2^-6 + 2^-10: mantissa 0 (even) vs 1 -> 2^-6.
+  EXPECT_EQ(FloatToFp8E4M3(0x1p-6f + 0x1p-10f), 0x08);
+  // 2^-6 + 3 * 2^-10 = 2^-6 + 1.5 * 2^-9: mantissa 1 vs 2 (even) -> code 0x0a.
+  EXPECT_EQ(FloatToFp8E4M3(0x1p-6f + 3 * 0x1p-10f), 0x0a);
+  // Subnormals, multiples of 2^-9: 2^-10 = 0.5 * 2^-9: 0 (even) vs 1 -> 0.
+  EXPECT_EQ(FloatToFp8E4M3(0x1p-10f), 0x00);
+  // 3 * 2^-10 = 1.5 * 2^-9: 1 vs 2 (even) -> 2 * 2^-9 = 2^-8.
+  EXPECT_EQ(FloatToFp8E4M3(3 * 0x1p-10f), 0x02);
+  EXPECT_EQ(Fp8E4M3ToFloat(FloatToFp8E4M3(3 * 0x1p-10f)), 0x1p-8f);
+  // 5 * 2^-10 = 2.5 * 2^-9 -> 2 (even) = 2^-8.
+  EXPECT_EQ(FloatToFp8E4M3(5 * 0x1p-10f), 0x02);
+  // 7 * 2^-10 = 3.5 * 2^-9 -> 4 (even) = 2^-7.
+  EXPECT_EQ(FloatToFp8E4M3(7 * 0x1p-10f), 0x04);
+  // 13 * 2^-10 = 6.5 * 2^-9 -> 6 (even).
+  EXPECT_EQ(FloatToFp8E4M3(13 * 0x1p-10f), 0x06);
+  // 15 * 2^-10 = 7.5 * 2^-9: 7 vs 8 (even) -> 8 * 2^-9 = 2^-6, the smallest normal.
+  EXPECT_EQ(FloatToFp8E4M3(15 * 0x1p-10f), 0x08);
+  EXPECT_EQ(FloatToFp8E4M3(-3 * 0x1p-10f), 0x82);
+  // Just past a tie rounds away from it.
+  EXPECT_EQ(FloatToFp8E4M3(0x1p-10f + 0x1p-24f), 0x01);
+  EXPECT_EQ(FloatToFp8E4M3(1.0625f + 0x1p-20f), 0x39);
+  EXPECT_EQ(FloatToFp8E4M3(272.0f - 0.001f), 0x78);
+  EXPECT_EQ(FloatToFp8E4M3(1.07f), 0x39);   // nearer 1.125 than 1.0
+  EXPECT_EQ(FloatToFp8E4M3(420.0f), 0x7d);  // nearer 416 than 448
+  EXPECT_EQ(FloatToFp8E4M3(440.0f), 0x7e);  // nearer 448 than 416
+}
+
+TEST(Fp8E4M3, SaturatesAt448) {
+  for (float x : {448.0f, 449.0f, 464.0f, 480.0f, 1000.0f, 1e6f, 3e38f, FLT_MAX}) {
+    EXPECT_EQ(FloatToFp8E4M3(x), 0x7e) << x;
+    EXPECT_EQ(FloatToFp8E4M3(-x), 0xfe) << -x;
+  }
+  EXPECT_EQ(Fp8E4M3ToFloat(FloatToFp8E4M3(3e38f)), 448.0f);
+  EXPECT_EQ(Fp8E4M3ToFloat(FloatToFp8E4M3(-1e6f)), -448.0f);
+}
+
+TEST(Fp8E4M3, SignOfZero) {
+  EXPECT_EQ(FloatToFp8E4M3(0.0f), 0x00);
+  EXPECT_EQ(FloatToFp8E4M3(-0.0f), 0x80);
+  // Below half the smallest subnormal: rounds to a zero of the same sign.
+  EXPECT_EQ(FloatToFp8E4M3(0x1p-11f), 0x00);
+  EXPECT_EQ(FloatToFp8E4M3(-0x1p-11f), 0x80);
+  EXPECT_EQ(FloatToFp8E4M3(-0x1p-10f), 0x80);  // tie to even: -0
+  EXPECT_EQ(FloatToFp8E4M3(FromBits(0x80000001u)), 0x80);  // negative fp32 denormal
+  EXPECT_TRUE(std::signbit(Fp8E4M3ToFloat(0x80)));
+  EXPECT_EQ(Fp8E4M3ToFloat(0x80), 0.0f);
+  EXPECT_FALSE(std::signbit(Fp8E4M3ToFloat(0x00)));
+}
+
+TEST(Fp8E4M3, EveryFiniteBf16MatchesBruteForceNearest) {
+  for (uint32_t b = 0; b < 0x10000u; ++b) {
+    const uint16_t bits = static_cast<uint16_t>(b);
+    if (!Bf16IsFinite(bits)) continue;
+    const float x = Bf16ToFloat(bits);
+    ASSERT_EQ(FloatToFp8E4M3(x), NearestFp8(x)) << "bf16 0x" << std::hex << b << " = " << x;
+  }
+}
+
+TEST(Fp8E4M3, RandomFloatsMatchBruteForceNearest) {
+  std::mt19937_64 rng(12345);
+  // Uniform over exponents that cover subnormal-fp8 .. saturation, with random mantissas.
+  std::uniform_int_distribution<int> exp(-14, 12);
+  std::uniform_int_distribution<uint32_t> man(0, (1u << 23) - 1);
+  for (int i = 0; i < 20000; ++i) {
+    const uint32_t u = (static_cast<uint32_t>(exp(rng) + 127) << 23) | man(rng) |
+                       ((i & 1) ? 0x80000000u : 0u);
+    const float x = FromBits(u);
+    ASSERT_EQ(FloatToFp8E4M3(x), NearestFp8(x)) << "fp32 0x" << std::hex << u << " = " << x;
+  }
+}
+
+TEST(Fp8E4M3, MatchesCudaSatfiniteConversion) {
+#if INDEXER_COMPARE_WITH_CUDA_FP8
+  for (uint32_t b = 0; b < 0x10000u; ++b) {
+    const uint16_t bits = static_cast<uint16_t>(b);
+    if (!Bf16IsFinite(bits)) continue;
+    const float x = Bf16ToFloat(bits);
+    const __nv_fp8_storage_t nv = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+    ASSERT_EQ(FloatToFp8E4M3(x), static_cast<uint8_t>(nv))
+        << "bf16 0x" << std::hex << b << " = " << x;
+  }
+#else
+  GTEST_SKIP() << "cuda_fp8.h is not usable with this host compiler; comparison skipped";
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16
+
+TEST(Bf16, RoundsToNearestTiesToEven) {
+  // 1 + 2^-8 is halfway between 1.0 (0x3f80, even) and 1 + 2^-7 (0x3f81): -> 0x3f80.
+  EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f), 0x3f80);
+  // 1 + 3 * 2^-8: halfway between 0x3f81 and 0x3f82 (even) -> 0x3f82.
+  EXPECT_EQ(FloatToBf16(1.0f + 3 * 0x1p-8f), 0x3f82);
+  EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f + 0x1p-20f), 0x3f81);  // past the tie: up
+  EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f - 0x1p-23f), 0x3f80);  // short of it: down
+  EXPECT_EQ(FloatToBf16(-(1.0f + 3 * 0x1p-8f)), 0xbf82);
+  EXPECT_EQ(FloatToBf16(0.0f), 0x0000);
+  EXPECT_EQ(FloatToBf16(-0.0f), 0x8000);
+  // fp32 denormals: 0x00008000 is a tie between 0 (even) and 0x0001 -> 0; 0x00018000 -> 0x0002.
+  EXPECT_EQ(FloatToBf16(FromBits(0x00008000u)), 0x0000);
+  EXPECT_EQ(FloatToBf16(FromBits(0x00018000u)), 0x0002);
+  // Carry into the exponent: 0x3fffffff rounds up to 2.0.
+  EXPECT_EQ(FloatToBf16(FromBits(0x3fffffffu)), 0x4000);
+}
+
+TEST(Bf16, OverflowBecomesInfinity) {
+  EXPECT_EQ(FloatToBf16(FLT_MAX), 0x7f80);
+  EXPECT_EQ(FloatToBf16(-FLT_MAX), 0xff80);
+  EXPECT_EQ(FloatToBf16(3.4e38f), 0x7f80);
+  // 0x7f7f8000 is the tie between the largest bf16 (0x7f7f, odd) and 2^128: -> Inf.
+  EXPECT_EQ(FloatToBf16(FromBits(0x7f7f8000u)), 0x7f80);
+  EXPECT_EQ(FloatToBf16(FromBits(0x7f7f7fffu)), 0x7f7f);  // just below: stays finite
+  EXPECT_EQ(FloatToBf16(std::numeric_limits<float>::infinity()), 0x7f80);
+  EXPECT_EQ(FloatToBf16(-std::numeric_limits<float>::infinity()), 0xff80);
+  EXPECT_FALSE(Bf16IsFinite(0x7f80));
+  EXPECT_FALSE(Bf16IsFinite(0xff80));
+  EXPECT_TRUE(Bf16IsFinite(0x7f7f));
+}
+
+TEST(Bf16, NanStaysNan) {
+  // Including NaNs whose payload lies only in the 16 bits that are dropped.
+  for (uint32_t u : {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7f80ffffu, 0x7fffffffu,
+                     0x7fbfffffu}) {
+    const uint16_t b = FloatToBf16(FromBits(u));
+    EXPECT_TRUE(std::isnan(Bf16ToFloat(b))) << std::hex << u << " -> " << b;
+    EXPECT_FALSE(Bf16IsFinite(b));
+    EXPECT_EQ(b & 0x8000u, (u >> 16) & 0x8000u) << "sign of NaN";
+  }
+}
+
+TEST(Bf16, EveryBf16RoundTrips) {
+  for (uint32_t b = 0; b < 0x10000u; ++b) {
+    const uint16_t bits = static_cast<uint16_t>(b);
+    const float f = Bf16ToFloat(bits);
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(FloatToBf16(f), bits) << std::hex << b;
+  }
+}
+
+TEST(Bf16, RandomFloatsMatchBruteForceNearest) {
+  std::mt19937_64 rng(777);
+  for (int i = 0; i < 1000000; ++i) {
+    uint32_t u = static_cast<uint32_t>(rng());
+    if (i % 4 == 0) u = (u & 0xffff0000u) | 0x8000u;  // exact ties are rare by chance: force them
+    const float f = FromBits(u);
+    if (!std::isfinite(f)) continue;
+    ASSERT_EQ(FloatToBf16(f), NearestBf16(f)) << std::hex << u;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Selection order
+
+// The order SPEC.md step 4 defines, written out: larger score first, ties to the lower id.
+bool Better(float sa, int32_t a, float sb, int32_t b) {
+  if (sa != sb) return sa > sb;  // -0.0 == +0.0 here
+  return a < b;
+}
+
+TEST(SelectionKey, LargerScoreWinsWhateverTheIds) {
+  EXPECT_GT(SelectionKey(2.0f, 1000), SelectionKey(1.0f, 0));
+  EXPECT_GT(SelectionKey(-1.0f, 9), SelectionKey(-2.0f, 1));
+  EXPECT_GT(SelectionKey(0x1p-149f, 5), SelectionKey(0.0f, 0));  // denormal > 0
+  EXPECT_GT(SelectionKey(0.0f, 5), SelectionKey(-0x1p-149f, 0));
+  // The ladder of SPEC.md's special scores against ordinary ones, ids adversarial (higher id
+  // for higher score, so that an id-dominated key would get it backwards).
+  const float ladder[] = {kEmptyScore, -1e29f, -1e20f, -1.0f, 0.0f, 1.0f, 1e20f, kLocalScore,
+                          kInitScore};
+  for (int i = 0; i + 1 < 9; ++i) {
+    EXPECT_LT(SelectionKey(ladder[i], 0), SelectionKey(ladder[i + 1], 100 + i)) << i;
+  }
+  EXPECT_LT(SelectionKey(-std::numeric_limits<float>::infinity(), 0), SelectionKey(kEmptyScore, 9));
+  EXPECT_GT(SelectionKey(std::numeric_limits<float>::infinity(), 9), SelectionKey(kInitScore, 0));
+}
+
+TEST(SelectionKey, TiesGoToTheLowerId) {
+  EXPECT_GT(SelectionKey(1.0f, 3), SelectionKey(1.0f, 4));
+  EXPECT_GT(SelectionKey(kEmptyScore, 0), SelectionKey(kEmptyScore, 1));
+  EXPECT_GT(SelectionKey(kInitScore, 0), SelectionKey(kInitScore, 2147483647));
+}
+
+TEST(SelectionKey, NegativeZeroEqualsPositiveZero) {
+  EXPECT_EQ(SelectionKey(-0.0f, 7), SelectionKey(0.0f, 7));
+  EXPECT_GT(SelectionKey(-0.0f, 1), SelectionKey(0.0f, 2));
+  EXPECT_GT(SelectionKey(0.0f, 1), SelectionKey(-0.0f, 2));
+}
+
+TEST(SelectionKey, BlockIdRoundTrips) {
+  for (int32_t b : {0, 1, 5, 127, 4096, 1 << 28, 2147483647}) {
+    EXPECT_EQ(SelectionKeyBlock(SelectionKey(3.5f, b)), b);
+    EXPECT_EQ(SelectionKeyBlock(SelectionKey(-0.0f, b)), b);
+    EXPECT_EQ(SelectionKeyBlock(SelectionKey(kEmptyScore, b)), b);
+  }
+}
+
+TEST(SelectionKey, RandomPairsAgreeWithTheExplicitOrder) {
+  std::mt19937_64 rng(4242);
+  std::uniform_int_distribution<int32_t> id(0, 1 << 20);
+  const auto random_score = [&]() {
+    switch (rng() % 5) {
+      case 0: return static_cast<float>(static_cast<int>(rng() % 7) - 3);  // frequent ties
+      case 1: return (rng() & 1) ? 0.0f : -0.0f;
+      default: {
+        float f;
+        do f = FromBits(static_cast<uint32_t>(rng())); while (!std::isfinite(f));
+        return f;
+      }
+    }
+  };
+  for (int i = 0; i < 200000; ++i) {
+    const float sa = random_score(), sb = random_score();
+    const int32_t a = id(rng), b = (rng() % 4 == 0) ? a : id(rng);
+    if (a == b && sa == sb) continue;
+    ASSERT_EQ(SelectionKey(sa, a) > SelectionKey(sb, b), Better(sa, a, sb, b))
+        << sa << "/" << a << " vs " << sb << "/" << b;
+  }
+}
+
+TEST(StoredKey, DecodesBothStorages) {
+  const uint16_t bf[2] = {FloatToBf16(1.5f), FloatToBf16(-3.0f)};
+  const uint8_t f8[2] = {FloatToFp8E4M3(1.5f), FloatToFp8E4M3(-3.0f)};
+  EXPECT_EQ(StoredKeyToFloat(bf, 1, KeyStorage::kBf16), -3.0f);
+  EXPECT_EQ(StoredKeyToFloat(f8, 0, KeyStorage::kFp8E4M3), 1.5f);
+  EXPECT_EQ(StoredKeyToFloat(f8, 1, KeyStorage::kFp8E4M3), -3.0f);
+  EXPECT_EQ(KeyStorageBytes(KeyStorage::kBf16), 2);
+  EXPECT_EQ(KeyStorageBytes(KeyStorage::kFp8E4M3), 1);
+}
+
+}  // namespace
+}  // namespace indexer::kernels

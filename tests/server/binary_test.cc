@@ -1,0 +1,311 @@
+// The real binaries: indexer-server's flag checking and its SIGTERM drain, and indexer-cli
+// against a running server. Paths come from INDEXER_SERVER_BINARY / INDEXER_CLI_BINARY, which
+// tests/server/CMakeLists.txt sets.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "client/cpp/indexer_client.h"
+
+extern char** environ;
+
+namespace indexer::client {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string BinaryPath(const char* variable) {
+  const char* path = std::getenv(variable);
+  return path == nullptr ? "" : path;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A child process whose stdout and stderr go to one log file.
+class Child {
+ public:
+  Child(const std::vector<std::string>& argv, const std::vector<std::string>& extra_env = {}) {
+    char name[] = "/tmp/indexer-binary-test-XXXXXX";
+    const int fd = mkstemp(name);
+    log_path_ = name;
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    for (const std::string& e : extra_env) env.push_back(e);
+    std::vector<char*> args, envp;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    for (const std::string& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      // The test blocks nothing, but make sure the child starts with default signal handling.
+      sigset_t none;
+      sigemptyset(&none);
+      sigprocmask(SIG_SETMASK, &none, nullptr);
+      execve(args[0], args.data(), envp.data());
+      _exit(127);
+    }
+    close(fd);
+  }
+  ~Child() {
+    if (pid_ > 0 && !status_) {
+      kill(pid_, SIGKILL);
+      int s;
+      waitpid(pid_, &s, 0);
+    }
+    unlink(log_path_.c_str());
+  }
+
+  // The exit code once the child exits within `timeout`; nullopt if it did not (or was killed
+  // by a signal: then -signal).
+  std::optional<int> Wait(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (!status_) {
+      int s = 0;
+      const pid_t r = waitpid(pid_, &s, WNOHANG);
+      if (r == pid_) {
+        status_ = WIFEXITED(s) ? WEXITSTATUS(s) : -WTERMSIG(s);
+        break;
+      }
+      if (absl::Now() > deadline) return std::nullopt;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return status_;
+  }
+
+  std::string Log() const { return ReadFile(log_path_); }
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+  std::string log_path_;
+  std::optional<int> status_;
+};
+
+struct RunResult {
+  int code = -1;
+  std::string output;
+};
+
+RunResult RunToEnd(const std::vector<std::string>& argv, const std::vector<std::string>& env = {}) {
+  Child child(argv, env);
+  RunResult r;
+  std::optional<int> code = child.Wait(absl::Seconds(60));
+  r.code = code.value_or(-1000);
+  r.output = child.Log();
+  return r;
+}
+
+class BinaryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = BinaryPath("INDEXER_SERVER_BINARY");
+    cli_ = BinaryPath("INDEXER_CLI_BINARY");
+    if (server_.empty()) GTEST_SKIP() << "INDEXER_SERVER_BINARY is not set (run through ctest)";
+  }
+
+  // Starts indexer-server on a free loopback port (it picks one: --listen=127.0.0.1:0, and the
+  // test reads the port from its startup line) and waits until health says SERVING.
+  std::unique_ptr<Child> StartServer(std::vector<std::string> flags, int* port) {
+    std::vector<std::string> argv = {server_, "--listen=127.0.0.1:0", "--device=cpu"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    auto child = std::make_unique<Child>(argv);
+    const std::regex serving("serving on port ([0-9]+)");
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    std::smatch m;
+    std::string log;
+    while (absl::Now() < deadline) {
+      log = child->Log();
+      if (std::regex_search(log, m, serving)) break;
+      if (child->Wait(absl::ZeroDuration())) break;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    if (m.empty()) {
+      ADD_FAILURE() << "indexer-server did not start; its output:\n" << log;
+      return nullptr;
+    }
+    *port = std::stoi(m[1]);
+    return child;
+  }
+
+  std::string server_, cli_;
+};
+
+TEST_F(BinaryTest, BadFlagValuesExitWithStatus2NamingTheFlag) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"--capacity=bad", "capacity"},         {"--head_dim=100", "head_dim"},
+      {"--device=tpu", "device"},             {"--key_dtype=int4", "key_dtype"},
+      {"--drain_seconds=-1", "drain_seconds"}, {"--max_message_bytes=10", "max_message_bytes"},
+      {"--topk=999", "topk"},                 {"--log_level=loud", "log_level"},
+  };
+  for (const auto& [flag, name] : cases) {
+    const RunResult r = RunToEnd({server_, "--listen=127.0.0.1:0", flag});
+    EXPECT_EQ(r.code, 2) << flag << ":\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(name)) << flag;
+  }
+}
+
+TEST_F(BinaryTest, UnparsableFlagsExitNonZeroNamingTheFlag) {
+  // A value absl cannot parse, and a flag that does not exist: absl's parser reports them and
+  // exits with status 1 (README: 1 = could not start, 2 = a flag's value is out of range).
+  for (const char* flag : {"--head_dim=abc", "--no_such_flag=1"}) {
+    const RunResult r = RunToEnd({server_, "--listen=127.0.0.1:0", flag});
+    EXPECT_EQ(r.code, 1) << flag << " exited with " << r.code << ":\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(std::string(flag).substr(2, std::string(flag).find('=') - 2)));
+  }
+}
+
+TEST_F(BinaryTest, SigtermDrainsInFlightCallsAndExitsZero) {
+  int port = 0;
+  std::unique_ptr<Child> server =
+      StartServer({"--capacity=512", "--drain_seconds=20", "--cpu_threads=1", "--handler_threads=4"}, &port);
+  ASSERT_NE(server, nullptr);
+  absl::StatusOr<std::unique_ptr<IndexerClient>> client =
+      IndexerClient::Connect(absl::StrCat("127.0.0.1:", port));
+  ASSERT_TRUE(client.ok());
+  IndexerClient& c = **client;
+  ASSERT_TRUE(c.WaitUntilServing(absl::Seconds(10)).ok());
+  absl::StatusOr<v1::ServerInfoResponse> info = c.ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const int d = static_cast<int>(info->head_dim());
+
+  // A long sequence, then size the slow calls from a measured one: ~1.5 s each.
+  constexpr int kTokens = 16384;
+  std::vector<float> keys(static_cast<size_t>(kTokens) * d);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = static_cast<float>(static_cast<int>(i * 7919 % 17) - 8);
+  ASSERT_TRUE(c.AppendKeys(MakeAppend("s", 0, keys)).ok());
+  const auto select = [&](int tokens, int64_t start) {
+    std::vector<float> q(static_cast<size_t>(tokens) * 4 * d);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(static_cast<int>(i * 31 % 9) - 4);
+    v1::SelectBlocksRequest req = MakeSelect("s", 0, 4, q);
+    req.set_start_position(start);
+    return c.Select(req, CallOptions::Timeout(absl::Seconds(60)));
+  };
+  absl::Time t0 = absl::Now();
+  ASSERT_TRUE(select(32, kTokens - 32).ok());
+  const double per_token_s = absl::ToDoubleSeconds(absl::Now() - t0) / 32;
+  const int tokens = std::clamp(static_cast<int>(1.5 / per_token_s), 32, 8192);
+
+  constexpr int kCalls = 3;
+  std::vector<absl::StatusOr<Selection>> results(kCalls, absl::UnknownError("not run"));
+  std::vector<absl::Time> finished(kCalls);
+  std::vector<std::thread> calls;
+  for (int i = 0; i < kCalls; ++i) {
+    calls.emplace_back([&, i] {
+      results[i] = select(tokens, kTokens - tokens - i);
+      finished[i] = absl::Now();
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time sigterm = absl::Now();
+  ASSERT_EQ(kill(server->pid(), SIGTERM), 0);
+  // Health turns NOT_SERVING first (for --not_serving_seconds, default 1 s), so that probes stop
+  // sending work before the listener closes.
+  bool not_serving = false;
+  for (int i = 0; i < 100 && !not_serving; ++i) {
+    absl::StatusOr<HealthStatus> h = c.Health("", CallOptions::Timeout(absl::Milliseconds(500)));
+    not_serving = h.ok() && *h == HealthStatus::kNotServing;
+    if (!not_serving) absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_TRUE(not_serving) << "health never answered NOT_SERVING after SIGTERM";
+  for (auto& t : calls) t.join();
+
+  int drained = 0;
+  for (int i = 0; i < kCalls; ++i) {
+    ASSERT_TRUE(results[i].ok()) << "in-flight call " << i << " was not drained: " << results[i].status();
+    EXPECT_EQ(results[i]->num_tokens, tokens);
+    EXPECT_EQ(results[i]->start_position, kTokens - tokens - i);
+    drained += finished[i] > sigterm ? 1 : 0;
+  }
+  EXPECT_GT(drained, 0) << "every call finished before SIGTERM (" << tokens
+                        << " query tokens each): nothing was drained";
+  const std::optional<int> code = server->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.has_value()) << "indexer-server did not exit within its 20 s drain";
+  EXPECT_EQ(*code, 0) << server->Log();
+  const std::string log = server->Log();
+  EXPECT_THAT(log, HasSubstr("received SIGTERM, draining in-flight calls"));
+  EXPECT_THAT(log, HasSubstr("stopped;"));
+  // Gone: calls now fail fast.
+  EXPECT_EQ(c.ServerInfo(CallOptions::Timeout(absl::Seconds(2))).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST_F(BinaryTest, CliTalksToTheServer) {
+  if (cli_.empty()) GTEST_SKIP() << "INDEXER_CLI_BINARY is not set";
+  int port = 0;
+  std::unique_ptr<Child> server = StartServer({"--capacity=256", "--head_dim=64"}, &port);
+  ASSERT_NE(server, nullptr);
+  const std::string env = absl::StrCat("INDEXER_SERVER=127.0.0.1:", port);
+  struct Case {
+    std::vector<std::string> args;
+    int code;
+    std::string output;
+  };
+  const Case cases[] = {
+      {{"health"}, 0, "SERVING"},
+      {{"info"}, 0, "head_dim              64"},
+      {{"append", "--sequence=c1", "--tokens=300", "--attention_pages=auto"}, 0, "created"},
+      {{"append", "--sequence", "c1", "--tokens", "10", "--dtype=fp32"}, 0, "lengths [310]"},
+      {{"select", "--sequence=c1", "--heads=2", "--tokens=2", "--topk=4"}, 0, "page table"},
+      {{"select", "--sequence=c1", "--start_position=0", "--init_blocks=1", "--local_blocks=0"}, 0,
+       "position 0"},
+      {{"get", "--sequence=c1"}, 0, "attention pages [0 1 2]"},
+      {{"fork", "--sequence=c1", "--target=c2", "--length=200"}, 0, "2 shared"},
+      {{"fork", "--sequence=c1", "--target=c2"}, 1, "ALREADY_EXISTS"},
+      {{"truncate", "--sequence=c2", "--length=100"}, 0, "lengths [100]"},
+      {{"release", "--sequence=c2"}, 0, "released"},
+      {{"release", "--sequence=c2"}, 1, "NOT_FOUND"},
+      {{"select", "--sequence=c1", "--heads=99"}, 1, "INVALID_ARGUMENT"},
+      {{"demo", "--sequences=2", "--tokens=600", "--steps=4", "--chunk=256"}, 0, "check: 32"},
+      {{"bogus"}, 2, "unknown command"},
+      {{"select"}, 2, "--sequence is required"},
+      {{"--topk=x", "info"}, 2, "--topk"},
+      {{"--no_such_flag", "info"}, 2, "unknown flag"},
+      {{"truncate", "--sequence=c1"}, 2, "--length"},
+      {{}, 2, "no command"},
+      {{"--help"}, 0, "demo"},
+      {{"--server=127.0.0.1:1", "info"}, 1, "UNAVAILABLE"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> argv = {cli_};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    const RunResult r = RunToEnd(argv, {env});
+    const std::string what = absl::StrCat("indexer-cli ", absl::StrJoin(c.args, " "));
+    EXPECT_EQ(r.code, c.code) << what << ":\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(c.output)) << what;
+  }
+  // The demo cleaned up after itself; only c1 is left.
+  absl::StatusOr<std::unique_ptr<IndexerClient>> client =
+      IndexerClient::Connect(absl::StrCat("127.0.0.1:", port));
+  ASSERT_TRUE(client.ok());
+  absl::StatusOr<v1::ServerInfoResponse> info = (*client)->ServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->live_sequences(), 1u);
+  kill(server->pid(), SIGTERM);
+  EXPECT_EQ(server->Wait(absl::Seconds(20)), std::optional<int>(0));
+}
+
+}  // namespace
+}  // namespace indexer::client

@@ -203,7 +203,7 @@ __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* score
     const int64_t pos = s.start_pos + row / s.num_heads;
     const int64_t v = pos / kBlockSize + 1;
     const uint64_t* sorted = nullptr;
-    if (n <= kWarpCandidates) {
+    if (n <= 64 || (n <= kWarpCandidates && kk > 32)) {
       // Short rows: sort a copy of the whole row within the warp.
       for (int i = lane; i < max(n, 2); i += 32) candidates[i] = i < n ? keys[(r << log_n) + i] : 0;
       __syncwarp();

@@ -7,12 +7,16 @@
 namespace indexer::engine {
 namespace {
 
-absl::Status OutOfRange(const char* name, int64_t value, int64_t lo, int64_t hi) {
+absl::Status OutOfRange(absl::string_view name, int64_t value, int64_t lo, int64_t hi) {
   return absl::InvalidArgumentError(
       absl::StrCat(name, " is ", value, "; it must be in [", lo, ", ", hi, "]"));
 }
 
 }  // namespace
+
+std::string TenantLabel(absl::string_view tenant) {
+  return tenant.empty() ? std::string("the default tenant") : absl::StrCat("tenant '", tenant, "'");
+}
 
 const char* KeyStorageName(kernels::KeyStorage s) {
   return s == kernels::KeyStorage::kBf16 ? "bf16" : "fp8";

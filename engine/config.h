@@ -6,10 +6,19 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "kernels/numeric.h"
 #include "kernels/select_types.h"
 
 namespace indexer::engine {
+
+// Tenants scope sequence ids: two tenants may use the same id for different sequences, and no
+// call of one tenant reaches another's. Callers that do not authenticate share the default
+// tenant, "". Tenant names never hold a NUL byte (the server's come from its token file).
+inline constexpr absl::string_view kDefaultTenant = "";
+
+// "tenant 'name'", or "the default tenant", for messages.
+std::string TenantLabel(absl::string_view tenant);
 
 struct EngineConfig {
   int head_dim = 128;                  // 64, 128 or 256

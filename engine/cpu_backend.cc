@@ -69,6 +69,26 @@ absl::Status CpuBackend::CopyPage(int32_t src, int32_t dst) {
   return absl::OkStatus();
 }
 
+absl::Status CpuBackend::ReadPages(std::span<const int32_t> pages, uint8_t* dst) {
+  const int64_t page_bytes = layer_bytes_ / config_.capacity_pages;
+  for (int32_t page : pages) {
+    for (int l = 0; l < config_.layers; ++l, dst += page_bytes) {
+      std::memcpy(dst, storage_.get() + l * layer_bytes_ + page * page_bytes, page_bytes);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::WritePages(std::span<const int32_t> pages, const uint8_t* src) {
+  const int64_t page_bytes = layer_bytes_ / config_.capacity_pages;
+  for (int32_t page : pages) {
+    for (int l = 0; l < config_.layers; ++l, src += page_bytes) {
+      std::memcpy(storage_.get() + l * layer_bytes_ + page * page_bytes, src, page_bytes);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CpuBackend::Select(std::span<const SelectTask> tasks,
                                 const kernels::PageTableParams& page_table) {
   // Phase 1: raw block scores, split into units of blocks across every task.

@@ -22,6 +22,8 @@ class CpuBackend final : public KeyCacheBackend {
   std::string device() const override;
   absl::Status WriteKeys(const KeyWrite& write) override;
   absl::Status CopyPage(int32_t src, int32_t dst) override;
+  absl::Status ReadPages(std::span<const int32_t> pages, uint8_t* dst) override;
+  absl::Status WritePages(std::span<const int32_t> pages, const uint8_t* src) override;
   absl::Status Select(std::span<const SelectTask> tasks,
                       const kernels::PageTableParams& page_table) override;
 

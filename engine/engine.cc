@@ -66,6 +66,7 @@ struct Engine::PreparedAppend {
 
 struct Engine::PreparedStep {
   size_t index = 0;
+  absl::string_view tenant;
   absl::string_view sequence_id;
   int layer = 0;
   bool has_append = false;
@@ -82,8 +83,11 @@ struct Engine::PreparedStep {
   int64_t start_pos = 0;
 };
 
-Engine::Engine(const EngineConfig& config, std::unique_ptr<KeyCacheBackend> backend)
-    : config_(config), backend_(std::move(backend)), pool_(config.capacity_pages) {}
+Engine::Engine(const EngineConfig& config, std::unique_ptr<KeyCacheBackend> backend,
+               PageQuotas quotas)
+    : config_(config),
+      backend_(std::move(backend)),
+      pool_(config.capacity_pages, std::move(quotas)) {}
 
 absl::Status Engine::PrepareAppend(const AppendRequest& r, absl::string_view step_sequence_id,
                                    PreparedAppend* out) const {
@@ -121,6 +125,7 @@ absl::Status Engine::PrepareAppend(const AppendRequest& r, absl::string_view ste
 absl::Status Engine::PrepareStep(const StepRequest& r, PreparedStep* out) const {
   INDEXER_RETURN_IF_ERROR(CheckId(r.sequence_id, "sequence_id"));
   INDEXER_RETURN_IF_ERROR(CheckRange("layer", r.layer, 0, config_.layers - 1));
+  out->tenant = r.tenant;
   out->sequence_id = r.sequence_id;
   out->layer = static_cast<int>(r.layer);
   out->has_append = r.append.has_value();
@@ -219,7 +224,7 @@ absl::Status Engine::ApplyAppend(Sequence& seq, const PreparedAppend& a,
     }
   }
   absl::StatusOr<std::vector<int32_t>> fresh_pages =
-      pool_.Allocate(fresh + static_cast<int64_t>(cow_blocks.size()));
+      pool_.Allocate(fresh + static_cast<int64_t>(cow_blocks.size()), seq.tenant);
   if (!fresh_pages.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("append to sequence '", seq.id, "': ", fresh_pages.status().message()));
@@ -288,10 +293,10 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
       if (s->seq == nullptr) {
         if (s->has_append) {
           bool created = false;
-          s->seq = sequences_.FindOrCreate(s->sequence_id, config_.layers, &created);
+          s->seq = sequences_.FindOrCreate(s->tenant, s->sequence_id, config_.layers, &created);
           s->created = s->created || created;
         } else {
-          s->seq = sequences_.Find(s->sequence_id);
+          s->seq = sequences_.Find(s->tenant, s->sequence_id);
         }
       }
       if (s->seq == nullptr) {
@@ -413,6 +418,7 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
 
 std::vector<absl::StatusOr<StepResult>> Engine::Batch(std::span<const StepRequest> items,
                                                       const CallControl& control) {
+  CallGate::Pass pass(gate_);
   std::vector<absl::StatusOr<StepResult>> results(items.size(),
                                                   absl::InternalError("step was not run"));
   if (static_cast<int64_t>(items.size()) > config_.max_batch_items) {
@@ -436,9 +442,12 @@ std::vector<absl::StatusOr<StepResult>> Engine::Batch(std::span<const StepReques
   int64_t budget = config_.max_response_bytes > 0 ? config_.max_response_bytes : -1;
   size_t begin = 0;
   while (begin < ready.size()) {
-    absl::flat_hash_set<absl::string_view> ids;
+    absl::flat_hash_set<std::pair<absl::string_view, absl::string_view>> ids;
     size_t end = begin;
-    while (end < ready.size() && ids.insert(ready[end]->sequence_id).second) ++end;
+    while (end < ready.size() &&
+           ids.insert({ready[end]->tenant, ready[end]->sequence_id}).second) {
+      ++end;
+    }
     const absl::Status status = control.Check();
     if (!status.ok()) {
       for (size_t i = begin; i < ready.size(); ++i) results[ready[i]->index] = status;
@@ -453,6 +462,7 @@ std::vector<absl::StatusOr<StepResult>> Engine::Batch(std::span<const StepReques
 absl::StatusOr<StepResult> Engine::Append(const AppendRequest& request,
                                           const CallControl& control) {
   StepRequest step;
+  step.tenant = request.tenant;
   step.sequence_id = request.sequence_id;
   step.layer = request.all_layers ? 0 : request.layer;
   step.append = request;
@@ -466,9 +476,10 @@ absl::StatusOr<StepResult> Engine::Select(const StepRequest& request, const Call
   return std::move(Batch(std::span<const StepRequest>(&request, 1), control)[0]);
 }
 
-absl::StatusOr<int64_t> Engine::Release(absl::string_view sequence_id) {
+absl::StatusOr<int64_t> Engine::Release(absl::string_view sequence_id, absl::string_view tenant) {
+  CallGate::Pass pass(gate_);
   INDEXER_RETURN_IF_ERROR(CheckId(sequence_id, "sequence_id"));
-  std::shared_ptr<Sequence> seq = sequences_.Erase(sequence_id);
+  std::shared_ptr<Sequence> seq = sequences_.Erase(tenant, sequence_id);
   if (seq == nullptr) {
     return absl::NotFoundError(absl::StrCat("sequence '", sequence_id, "' does not exist"));
   }
@@ -479,10 +490,12 @@ absl::StatusOr<int64_t> Engine::Release(absl::string_view sequence_id) {
   return freed;
 }
 
-absl::StatusOr<TruncateResult> Engine::Truncate(absl::string_view sequence_id, int64_t length) {
+absl::StatusOr<TruncateResult> Engine::Truncate(absl::string_view sequence_id, int64_t length,
+                                                absl::string_view tenant) {
+  CallGate::Pass pass(gate_);
   INDEXER_RETURN_IF_ERROR(CheckId(sequence_id, "sequence_id"));
   INDEXER_RETURN_IF_ERROR(CheckRange("length", length, 0, std::numeric_limits<int64_t>::max()));
-  std::shared_ptr<Sequence> seq = sequences_.Find(sequence_id);
+  std::shared_ptr<Sequence> seq = sequences_.Find(tenant, sequence_id);
   if (seq != nullptr) {
     std::lock_guard<std::mutex> lock(seq->mu);
     if (!seq->released) {
@@ -504,7 +517,9 @@ absl::StatusOr<TruncateResult> Engine::Truncate(absl::string_view sequence_id, i
 }
 
 absl::StatusOr<ForkResult> Engine::Fork(absl::string_view source_id, absl::string_view target_id,
-                                        std::optional<int64_t> length) {
+                                        std::optional<int64_t> length,
+                                        absl::string_view tenant) {
+  CallGate::Pass pass(gate_);
   INDEXER_RETURN_IF_ERROR(CheckId(source_id, "source_id"));
   INDEXER_RETURN_IF_ERROR(CheckId(target_id, "target_id"));
   if (source_id == target_id) {
@@ -513,11 +528,12 @@ absl::StatusOr<ForkResult> Engine::Fork(absl::string_view source_id, absl::strin
   if (length) {
     INDEXER_RETURN_IF_ERROR(CheckRange("length", *length, 0, std::numeric_limits<int64_t>::max()));
   }
-  std::shared_ptr<Sequence> src = sequences_.Find(source_id);
+  std::shared_ptr<Sequence> src = sequences_.Find(tenant, source_id);
   if (src == nullptr) {
     return absl::NotFoundError(absl::StrCat("sequence '", source_id, "' does not exist"));
   }
-  auto fork = std::make_shared<Sequence>(std::string(target_id), config_.layers);
+  auto fork = std::make_shared<Sequence>(std::string(tenant), std::string(target_id),
+                                         config_.layers);
   {
     std::lock_guard<std::mutex> lock(src->mu);
     if (src->released) {
@@ -547,9 +563,11 @@ absl::StatusOr<ForkResult> Engine::Fork(absl::string_view source_id, absl::strin
   return r;
 }
 
-absl::StatusOr<SequenceInfo> Engine::Get(absl::string_view sequence_id) const {
+absl::StatusOr<SequenceInfo> Engine::Get(absl::string_view sequence_id,
+                                         absl::string_view tenant) const {
+  CallGate::Pass pass(gate_);
   INDEXER_RETURN_IF_ERROR(CheckId(sequence_id, "sequence_id"));
-  std::shared_ptr<Sequence> seq = sequences_.Find(sequence_id);
+  std::shared_ptr<Sequence> seq = sequences_.Find(tenant, sequence_id);
   if (seq != nullptr) {
     std::lock_guard<std::mutex> lock(seq->mu);
     if (!seq->released) {
@@ -567,6 +585,10 @@ absl::StatusOr<SequenceInfo> Engine::Get(absl::string_view sequence_id) const {
 EngineStats Engine::Stats() const {
   return EngineStats{pool_.total_pages(), pool_.free_pages(),
                      static_cast<int64_t>(sequences_.size())};
+}
+
+TenantUsage Engine::Usage(absl::string_view tenant) const {
+  return TenantUsage{pool_.TenantPages(tenant), pool_.TenantQuota(tenant)};
 }
 
 }  // namespace indexer::engine

@@ -6,6 +6,11 @@
 // engine exactly as it found it. Errors are absl::Status values with a message naming the field
 // and the limit: INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, RESOURCE_EXHAUSTED,
 // FAILED_PRECONDITION, DEADLINE_EXCEEDED, CANCELLED, or INTERNAL from the backend.
+//
+// Tenants: every request names its tenant (kDefaultTenant unless the caller authenticates as
+// another). Sequence ids are scoped to the tenant, so a request reaches only its own tenant's
+// sequences; another tenant's id answers exactly as an id that does not exist. New pages are
+// charged to the tenant, up to its page quota (PageQuotas, given at construction).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "engine/call_gate.h"
 #include "engine/config.h"
 #include "engine/key_cache_backend.h"
 #include "engine/page_pool.h"
@@ -36,6 +42,9 @@ struct AppendRequest {
   WireDtype dtype = WireDtype::kUnspecified;
   absl::string_view keys;
   std::span<const int32_t> attention_pages;  // one per block the append opens, or none
+  // The caller's tenant (last, so that positional initialisers need not name it). Inside a
+  // StepRequest the step's tenant counts and this one is ignored.
+  absl::string_view tenant = kDefaultTenant;
 };
 
 // One step for one sequence: an optional append, then a selection when `queries` is non-empty.
@@ -48,6 +57,7 @@ struct StepRequest {
   WireDtype query_dtype = WireDtype::kUnspecified;
   absl::string_view queries;  // [n][H][head_dim]
   std::optional<int64_t> topk, init_blocks, local_blocks;
+  absl::string_view tenant = kDefaultTenant;  // the caller's tenant
 };
 
 struct StepResult {
@@ -89,6 +99,18 @@ struct EngineStats {
   int64_t live_sequences = 0;
 };
 
+struct TenantUsage {
+  int64_t pages = 0;       // pages charged to the tenant now
+  int64_t page_quota = 0;  // 0: no quota
+};
+
+// What a snapshot held (written or restored).
+struct SnapshotStats {
+  int64_t sequences = 0;
+  int64_t pages = 0;  // distinct pages: a page shared by forks counts once
+  int64_t bytes = 0;  // file size
+};
+
 // Deadline and cancellation of the call a request belongs to. Checked before anything is
 // applied; a request that has started applying runs to completion.
 struct CallControl {
@@ -100,7 +122,9 @@ struct CallControl {
 class Engine {
  public:
   // `config` must have passed Validate(). The backend must have been built for `config`.
-  Engine(const EngineConfig& config, std::unique_ptr<KeyCacheBackend> backend);
+  // `quotas`: the most pages each tenant may hold (none by default).
+  Engine(const EngineConfig& config, std::unique_ptr<KeyCacheBackend> backend,
+         PageQuotas quotas = {});
 
   // Appends keys, creating the sequence on its first append.
   absl::StatusOr<StepResult> Append(const AppendRequest& request, const CallControl& control = {});
@@ -114,13 +138,36 @@ class Engine {
                                                 const CallControl& control = {});
 
   // Removes a sequence; returns the pages returned to the pool.
-  absl::StatusOr<int64_t> Release(absl::string_view sequence_id);
-  absl::StatusOr<TruncateResult> Truncate(absl::string_view sequence_id, int64_t length);
+  absl::StatusOr<int64_t> Release(absl::string_view sequence_id,
+                                  absl::string_view tenant = kDefaultTenant);
+  absl::StatusOr<TruncateResult> Truncate(absl::string_view sequence_id, int64_t length,
+                                          absl::string_view tenant = kDefaultTenant);
+  // Source and target are both the tenant's: a fork never crosses tenants.
   absl::StatusOr<ForkResult> Fork(absl::string_view source_id, absl::string_view target_id,
-                                  std::optional<int64_t> length);
-  absl::StatusOr<SequenceInfo> Get(absl::string_view sequence_id) const;
+                                  std::optional<int64_t> length,
+                                  absl::string_view tenant = kDefaultTenant);
+  absl::StatusOr<SequenceInfo> Get(absl::string_view sequence_id,
+                                   absl::string_view tenant = kDefaultTenant) const;
 
   EngineStats Stats() const;
+  TenantUsage Usage(absl::string_view tenant) const;
+
+  // Writes every sequence of every tenant (lengths, block tables, attention pages and the key
+  // pages' stored bytes) to a snapshot file at `path` (format: snapshot_file.h). Every other
+  // call waits while it runs, so the file is one consistent instant. Atomic: the file is
+  // written as PATH.tmp and renamed over PATH only when complete and synced; on any failure PATH
+  // is left as it was and PATH.tmp is removed. Errors: INTERNAL with the system's reason (the
+  // file cannot be created, the disk is full, ...) or the backend's.
+  absl::Status WriteSnapshot(const std::string& path, SnapshotStats* stats = nullptr);
+
+  // Loads a snapshot written by WriteSnapshot into this engine, which must hold no sequences
+  // (FAILED_PRECONDITION otherwise). The whole file is checked before anything is applied:
+  // DATA_LOSS when it is truncated, malformed or fails its checksum; FAILED_PRECONDITION when it
+  // was written with another head_dim, key storage, layer count or block size, or holds
+  // sequences this configuration refuses (longer than max_tokens_per_sequence, attention page
+  // ids out of range); RESOURCE_EXHAUSTED when its pages exceed the capacity. On any error the
+  // engine is left empty. Page quotas are not enforced on restored pages (they are charged).
+  absl::Status RestoreSnapshot(const std::string& path, SnapshotStats* stats = nullptr);
   const EngineConfig& config() const { return config_; }
   const KeyCacheBackend& backend() const { return *backend_; }
 
@@ -146,6 +193,8 @@ class Engine {
   std::unique_ptr<KeyCacheBackend> backend_;
   PagePool pool_;
   SequenceTable sequences_;
+  // Every call holds a pass; snapshots pause it. Mutable: Get() is const but must wait too.
+  mutable CallGate gate_;
 };
 
 }  // namespace indexer::engine

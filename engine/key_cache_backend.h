@@ -50,10 +50,29 @@ class KeyCacheBackend {
   // Copies page `src` to page `dst` in every layer (copy-on-write of a shared page).
   virtual absl::Status CopyPage(int32_t src, int32_t dst) = 0;
 
+  // Copies the stored bytes (bf16 or fp8, exactly as the cache holds them) of `pages`, every
+  // layer, to host memory: dst receives [pages.size()][layers][kBlockSize][head_dim] elements.
+  // For snapshots. The default says the backend cannot (UNIMPLEMENTED).
+  virtual absl::Status ReadPages(std::span<const int32_t> pages, uint8_t* dst);
+
+  // The reverse: stores raw bytes laid out as ReadPages returns them into `pages`, every layer,
+  // with no conversion. For restoring snapshots. The default says the backend cannot.
+  virtual absl::Status WritePages(std::span<const int32_t> pages, const uint8_t* src);
+
   // Runs every task and fills its outputs. Tasks are independent; results must not depend on
   // how tasks are grouped into calls.
   virtual absl::Status Select(std::span<const SelectTask> tasks,
                               const kernels::PageTableParams& page_table) = 0;
 };
+
+inline absl::Status KeyCacheBackend::ReadPages(std::span<const int32_t> /*pages*/,
+                                               uint8_t* /*dst*/) {
+  return absl::UnimplementedError("backend " + name() + " cannot read pages back (snapshots)");
+}
+
+inline absl::Status KeyCacheBackend::WritePages(std::span<const int32_t> /*pages*/,
+                                                const uint8_t* /*src*/) {
+  return absl::UnimplementedError("backend " + name() + " cannot restore pages (snapshots)");
+}
 
 }  // namespace indexer::engine

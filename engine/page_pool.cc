@@ -6,22 +6,49 @@
 
 namespace indexer::engine {
 
-PagePool::PagePool(int64_t num_pages) : refs_(num_pages, 0) {
+int64_t PageQuotas::For(absl::string_view tenant) const {
+  auto it = per_tenant.find(tenant);
+  return it == per_tenant.end() ? default_pages : it->second;
+}
+
+PagePool::PagePool(int64_t num_pages, PageQuotas quotas)
+    : quotas_(std::move(quotas)), refs_(num_pages, 0), owner_(num_pages, 0) {
   free_list_.reserve(num_pages);
   // Low ids on top of the stack: handed out first, which keeps small tests readable.
   for (int64_t p = num_pages - 1; p >= 0; --p) free_list_.push_back(static_cast<int32_t>(p));
 }
 
-absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int64_t n) {
+int32_t PagePool::TenantIndexLocked(absl::string_view tenant) {
+  auto [it, inserted] = tenant_index_.try_emplace(tenant, 0);
+  if (inserted) {
+    it->second = static_cast<int32_t>(tenant_pages_.size());
+    tenant_pages_.push_back(0);
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int64_t n, absl::string_view tenant,
+                                                        bool enforce_quota) {
   std::lock_guard<std::mutex> lock(mu_);
   if (n > static_cast<int64_t>(free_list_.size())) {
     return absl::ResourceExhaustedError(
         absl::StrCat("key cache is full: the request needs ", n, " new pages and ",
                      free_list_.size(), " of ", refs_.size(), " are free"));
   }
+  const int32_t owner = TenantIndexLocked(tenant);
+  const int64_t quota = quotas_.For(tenant);
+  if (enforce_quota && quota > 0 && tenant_pages_[owner] + n > quota) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "page quota exceeded: the request needs ", n, " new pages and ",
+        TenantLabel(tenant), " holds ", tenant_pages_[owner], " of its quota of ", quota, " pages"));
+  }
   std::vector<int32_t> pages(free_list_.end() - n, free_list_.end());
   free_list_.resize(free_list_.size() - n);
-  for (int32_t p : pages) refs_[p] = 1;
+  for (int32_t p : pages) {
+    refs_[p] = 1;
+    owner_[p] = owner;
+  }
+  tenant_pages_[owner] += n;
   return pages;
 }
 
@@ -40,6 +67,7 @@ int64_t PagePool::Release(std::span<const int32_t> pages) {
     assert(refs_[p] > 0);
     if (--refs_[p] == 0) {
       free_list_.push_back(p);
+      --tenant_pages_[owner_[p]];
       ++freed;
     }
   }
@@ -54,6 +82,12 @@ int32_t PagePool::RefCount(int32_t page) const {
 int64_t PagePool::free_pages() const {
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int64_t>(free_list_.size());
+}
+
+int64_t PagePool::TenantPages(absl::string_view tenant) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tenant_index_.find(tenant);
+  return it == tenant_index_.end() ? 0 : tenant_pages_[it->second];
 }
 
 }  // namespace indexer::engine

@@ -1,5 +1,10 @@
-// PagePool: which page ids of the key cache are free and how many sequences reference each.
-// It holds no key data (the backend does); it is the single source of truth for accounting.
+// PagePool: which page ids of the key cache are free, how many sequences reference each, and
+// which tenant each allocated page is charged to. It holds no key data (the backend does); it is
+// the single source of truth for accounting, page quotas included.
+//
+// Tenants are names (the engine's default tenant is ""). A tenant may have a page quota: the
+// most pages charged to it at once. A page is charged to the tenant that allocated it until it
+// is free again, however many of that tenant's sequences share it.
 //
 // Thread-safe: every method may be called from any thread.
 #pragma once
@@ -7,19 +12,34 @@
 #include <cstdint>
 #include <mutex>
 #include <span>
+#include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "engine/config.h"
 
 namespace indexer::engine {
 
+// Page quotas: `per_tenant` names tenants with a quota of their own; every other tenant gets
+// `default_pages`. 0 means no quota.
+struct PageQuotas {
+  int64_t default_pages = 0;
+  absl::flat_hash_map<std::string, int64_t> per_tenant;
+
+  int64_t For(absl::string_view tenant) const;
+};
+
 class PagePool {
  public:
-  explicit PagePool(int64_t num_pages);
+  explicit PagePool(int64_t num_pages, PageQuotas quotas = {});
 
-  // Takes `n` free pages, each with one reference, or none at all: RESOURCE_EXHAUSTED when fewer
-  // than `n` are free.
-  absl::StatusOr<std::vector<int32_t>> Allocate(int64_t n);
+  // Takes `n` free pages, each with one reference, charged to `tenant`, or none at all:
+  // RESOURCE_EXHAUSTED when fewer than `n` are free, or when `enforce_quota` and the tenant
+  // would hold more than its quota (the message names the quota).
+  absl::StatusOr<std::vector<int32_t>> Allocate(int64_t n, absl::string_view tenant = "",
+                                                bool enforce_quota = true);
 
   // Adds one reference to each page (all must be allocated).
   void AddRef(std::span<const int32_t> pages);
@@ -32,11 +52,21 @@ class PagePool {
 
   int64_t total_pages() const { return static_cast<int64_t>(refs_.size()); }
   int64_t free_pages() const;
+  // Pages charged to `tenant` now, and its quota (0: none).
+  int64_t TenantPages(absl::string_view tenant) const;
+  int64_t TenantQuota(absl::string_view tenant) const { return quotas_.For(tenant); }
 
  private:
+  // The index of `tenant` in tenant_pages_, added on first use. Needs mu_.
+  int32_t TenantIndexLocked(absl::string_view tenant);
+
+  const PageQuotas quotas_;
   mutable std::mutex mu_;
   std::vector<int32_t> refs_;       // per page
+  std::vector<int32_t> owner_;      // per allocated page: index into tenant_pages_
   std::vector<int32_t> free_list_;  // stack of free page ids
+  absl::flat_hash_map<std::string, int32_t> tenant_index_;
+  std::vector<int64_t> tenant_pages_;  // pages charged, per tenant index
 };
 
 }  // namespace indexer::engine

@@ -2,35 +2,50 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
+
 namespace indexer::engine {
+namespace {
+
+std::string Key(absl::string_view tenant, absl::string_view id) {
+  return absl::StrCat(tenant, absl::string_view("\0", 1), id);
+}
+
+}  // namespace
 
 int64_t Sequence::MaxLength() const {
   return lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
 }
 
-std::shared_ptr<Sequence> SequenceTable::Find(absl::string_view id) const {
+std::shared_ptr<Sequence> SequenceTable::Find(absl::string_view tenant,
+                                              absl::string_view id) const {
+  const std::string key = Key(tenant, id);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = map_.find(id);
+  auto it = map_.find(key);
   return it == map_.end() ? nullptr : it->second;
 }
 
-std::shared_ptr<Sequence> SequenceTable::FindOrCreate(absl::string_view id, int layers,
+std::shared_ptr<Sequence> SequenceTable::FindOrCreate(absl::string_view tenant,
+                                                      absl::string_view id, int layers,
                                                       bool* created) {
+  std::string key = Key(tenant, id);
   std::lock_guard<std::mutex> lock(mu_);
-  auto [it, inserted] = map_.try_emplace(id, nullptr);
-  if (inserted) it->second = std::make_shared<Sequence>(std::string(id), layers);
+  auto [it, inserted] = map_.try_emplace(std::move(key), nullptr);
+  if (inserted) it->second = std::make_shared<Sequence>(std::string(tenant), std::string(id), layers);
   *created = inserted;
   return it->second;
 }
 
 bool SequenceTable::Insert(std::shared_ptr<Sequence> seq) {
+  std::string key = Key(seq->tenant, seq->id);
   std::lock_guard<std::mutex> lock(mu_);
-  return map_.try_emplace(seq->id, std::move(seq)).second;
+  return map_.try_emplace(std::move(key), std::move(seq)).second;
 }
 
-std::shared_ptr<Sequence> SequenceTable::Erase(absl::string_view id) {
+std::shared_ptr<Sequence> SequenceTable::Erase(absl::string_view tenant, absl::string_view id) {
+  const std::string key = Key(tenant, id);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = map_.find(id);
+  auto it = map_.find(key);
   if (it == map_.end()) return nullptr;
   auto seq = std::move(it->second);
   map_.erase(it);
@@ -38,11 +53,26 @@ std::shared_ptr<Sequence> SequenceTable::Erase(absl::string_view id) {
 }
 
 bool SequenceTable::EraseIfSame(const std::shared_ptr<Sequence>& seq) {
+  const std::string key = Key(seq->tenant, seq->id);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = map_.find(seq->id);
+  auto it = map_.find(key);
   if (it == map_.end() || it->second != seq) return false;
   map_.erase(it);
   return true;
+}
+
+std::vector<std::shared_ptr<Sequence>> SequenceTable::All() const {
+  std::vector<std::pair<std::string, std::shared_ptr<Sequence>>> entries;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    entries.assign(map_.begin(), map_.end());
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<std::shared_ptr<Sequence>> all;
+  all.reserve(entries.size());
+  for (auto& e : entries) all.push_back(std::move(e.second));
+  return all;
 }
 
 size_t SequenceTable::size() const {

@@ -1,4 +1,7 @@
-// Sequence and SequenceTable: the sequences the cache holds, by caller-chosen id.
+// Sequence and SequenceTable: the sequences the cache holds, by tenant and caller-chosen id.
+//
+// Ids are scoped to their tenant: the table's key is (tenant, id), so a tenant can only ever
+// find its own sequences, and another tenant's id looks exactly like an id that does not exist.
 //
 // A Sequence's fields are guarded by its own mutex `mu`; the table's map by the table's mutex.
 // Lock order: never hold the table's mutex while waiting for a sequence's. A sequence removed
@@ -10,16 +13,18 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
 
 namespace indexer::engine {
 
 struct Sequence {
-  Sequence(std::string sequence_id, int layers) : id(std::move(sequence_id)), lengths(layers, 0) {}
+  Sequence(std::string tenant_name, std::string sequence_id, int layers)
+      : tenant(std::move(tenant_name)), id(std::move(sequence_id)), lengths(layers, 0) {}
 
+  const std::string tenant;
   const std::string id;
   std::mutex mu;
   bool released = false;
@@ -35,20 +40,24 @@ struct Sequence {
 
 class SequenceTable {
  public:
-  // The sequence with this id, or nullptr.
-  std::shared_ptr<Sequence> Find(absl::string_view id) const;
-  // The sequence with this id, made (empty) when absent; *created says which.
-  std::shared_ptr<Sequence> FindOrCreate(absl::string_view id, int layers, bool* created);
-  // Adds `seq` unless its id is taken; returns false when taken.
+  // The sequence with this tenant and id, or nullptr.
+  std::shared_ptr<Sequence> Find(absl::string_view tenant, absl::string_view id) const;
+  // The sequence with this tenant and id, made (empty) when absent; *created says which.
+  std::shared_ptr<Sequence> FindOrCreate(absl::string_view tenant, absl::string_view id,
+                                         int layers, bool* created);
+  // Adds `seq` unless its tenant and id are taken; returns false when taken.
   bool Insert(std::shared_ptr<Sequence> seq);
-  // Removes the entry for `id`; returns it (nullptr when absent).
-  std::shared_ptr<Sequence> Erase(absl::string_view id);
-  // Removes `seq`'s entry only if the table still maps its id to this very object.
+  // Removes the entry for this tenant and id; returns it (nullptr when absent).
+  std::shared_ptr<Sequence> Erase(absl::string_view tenant, absl::string_view id);
+  // Removes `seq`'s entry only if the table still maps its tenant and id to this very object.
   bool EraseIfSame(const std::shared_ptr<Sequence>& seq);
+  // Every sequence, ordered by tenant, then id.
+  std::vector<std::shared_ptr<Sequence>> All() const;
   size_t size() const;
 
  private:
   mutable std::mutex mu_;
+  // Key: tenant, '\0', id. Tenant names never hold '\0', so the key is unique per (tenant, id).
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> map_;
 };
 

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The main job: sets up, builds, starts indexer-server (CUDA backend when a GPU is usable, else
-# CPU) on a local port, drives it with a short decode workload (indexer-cli demo: prefill, then
-# Batch decode steps, every answer checked), prints what it did and how fast, and stops the
-# server with SIGTERM. Extra arguments go to `indexer-cli demo` (see its --help).
+# CPU) on a local port, drives it with indexer-bench (the load tester: sequences prefilled,
+# decoded as Batch calls and released, the way a scheduler does it), prints what it did and how
+# fast, and stops the server with SIGTERM. Two passes: a short one that checks every answer
+# against the CPU reference, then a closed-loop load test whose summary (throughput, latency
+# percentiles, histogram, status codes) is printed and also written as $build/bench-report.html
+# and .json. Extra arguments go to the load test's indexer-bench (see its --help), e.g.
+#   scripts/run.sh --duration=30s --concurrency=4
+#   scripts/run.sh --sweep=concurrency:1,2,4,8 --sweep_max_latency=50ms
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
@@ -21,7 +26,15 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 head -n 1 "$log"
-"${cli[@]}" demo "$@"
+bench=("$build/client/bench/indexer-bench" --servers="127.0.0.1:$port" --progress=off)
+echo "run: correctness pass: 16 sequences prefilled, decoded and released, every answer checked"
+"${bench[@]}" --values=int --check --sequences=16 --duration=0 --warmup=0 --concurrency=2 \
+  --prefill=uniform:1000-6000 --decode_steps=uniform:8-24 --attention_pages --summary=brief
+echo "run: load test: 2 workers x 8 sequences (prefill 4k-12k tokens, 32-128 decode steps each," \
+  "replaced when done), one Batch call per decode step, 10 s after a 2 s warm-up"
+"${bench[@]}" --duration=10s --warmup=2s --concurrency=2 --batch=8 \
+  --prefill=uniform:4096-12288 --decode_steps=uniform:32-128 \
+  --html="$build/bench-report.html" --json="$build/bench-report.json" "$@"
 kill -TERM $server
 trap - EXIT
 wait $server && echo "run: server drained and exited 0" || { tail "$log"; exit 1; }

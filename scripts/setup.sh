@@ -11,6 +11,9 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev prometheus-cpp-dev
   python3 python3-grpcio python3-numpy python3-protobuf
   procps
+  openssl  # makes the test certificates of the TLS tests (tests/security/make_test_certs.sh)
+  chromium  # headless, renders indexer-bench's HTML report in its test (bench_report_render_test)
+  nginx python3-yaml  # the deployment tests: sticky routing through nginx, manifests parsed
 )
 
 missing=()

@@ -3,12 +3,17 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
-#include "absl/time/clock.h"
-
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "engine/backend_factory.h"
 
 namespace indexer::server {
@@ -18,6 +23,44 @@ const char* Version() { return INDEXER_VERSION; }
 namespace {
 // The service name health checks answer for, besides the whole server ("").
 constexpr char kServiceName[] = "indexer.v1.Indexer";
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  if (in) text << in.rdbuf();
+  if (!in || text.str().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, ": cannot read it"));
+  }
+  return text.str();
+}
+
+// Insecure credentials, or TLS (mutual when tls_client_ca is set) from the PEM files.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const ServerOptions& o) {
+  if (o.tls_cert.empty()) return grpc::InsecureServerCredentials();
+  absl::StatusOr<std::string> cert = ReadPem(o.tls_cert, "tls_cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPem(o.tls_key, "tls_key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions ssl(
+      o.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                              : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  if (!o.tls_client_ca.empty()) {
+    absl::StatusOr<std::string> ca = ReadPem(o.tls_client_ca, "tls_client_ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+  }
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  return grpc::SslServerCredentials(ssl);
+}
+
+absl::Status CheckSnapshotDir(const std::string& dir) {
+  struct stat st {};
+  if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || access(dir.c_str(), W_OK) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--snapshot_dir ", dir, " is not a folder this server can write"));
+  }
+  return absl::OkStatus();
+}
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const ServerOptions& options) {
@@ -26,16 +69,51 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const Server
   if (!backend.ok()) return backend.status();
 
   std::unique_ptr<IndexerServer> s(new IndexerServer());
+  s->access_ = std::make_unique<AccessControl>();
+  if (!options.token_file.empty()) {
+    absl::StatusOr<AccessControl> access =
+        AccessControl::FromTokenFile(options.token_file, options.engine.BytesPerPage());
+    if (!access.ok()) return access.status();
+    *s->access_ = *std::move(access);
+    for (const std::string& warning : s->access_->warnings()) spdlog::warn("{}", warning);
+    if (options.tls_cert.empty()) {
+      spdlog::warn("--token_file without TLS: tokens cross the network in clear text; add "
+                   "--tls_cert and --tls_key unless every client is on a trusted network");
+    }
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials(options);
+  if (!credentials.ok()) return credentials.status();
+  if (!options.snapshot_dir.empty()) {
+    if (absl::Status dir = CheckSnapshotDir(options.snapshot_dir); !dir.ok()) return dir;
+  }
+
   // Answers must fit one gRPC message: the engine refuses (and applies nothing of) a request
   // whose answer would not, keeping some room for the message's framing.
   engine::EngineConfig config = options.engine;
   config.max_response_bytes = std::max<int64_t>(options.max_message_bytes - 4096, 1024);
-  s->engine_ = std::make_unique<engine::Engine>(config, std::move(*backend));
+  engine::PageQuotas quotas;
+  quotas.default_pages = options.tenant_quota_pages;
+  for (const auto& [tenant, pages] : s->access_->quotas()) quotas.per_tenant[tenant] = pages;
+  s->engine_ = std::make_unique<engine::Engine>(config, std::move(*backend), std::move(quotas));
+  if (!options.restore.empty()) {
+    const absl::Time start = absl::Now();
+    engine::SnapshotStats stats;
+    const absl::Status restored = s->engine_->RestoreSnapshot(options.restore, &stats);
+    if (!restored.ok()) {
+      return absl::Status(restored.code(), absl::StrCat("--restore: ", restored.message()));
+    }
+    spdlog::info("restored {} sequences, {} pages ({} bytes) from {} in {:.3f} s", stats.sequences,
+                 stats.pages, stats.bytes, options.restore,
+                 absl::ToDoubleSeconds(absl::Now() - start));
+  }
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   s->executor_ = std::make_unique<RequestExecutor>(
       options.handler_threads > 0 ? options.handler_threads : std::max(4, 2 * hw));
-  s->service_ = std::make_unique<IndexerService>(s->engine_.get(), s->executor_.get(), Version(),
+  s->service_ = std::make_unique<IndexerService>(s->engine_.get(), s->executor_.get(),
+                                                 s->access_.get(), Version(),
                                                  options.max_message_bytes);
+  s->admin_service_ = std::make_unique<IndexerAdminService>(
+      s->engine_.get(), s->executor_.get(), s->access_.get(), options.snapshot_dir);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -43,15 +121,19 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const Server
   // Refuse a port another server holds: with SO_REUSEPORT two servers would split the traffic
   // while holding different sequences.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(options.listen, *credentials, &s->port_);
   builder.RegisterService(s->service_.get());
+  builder.RegisterService(s->admin_service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     s->executor_->Stop();
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", options.listen, " (address in use or invalid?)"));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", options.listen,
+        options.tls_cert.empty() ? " (address in use or invalid?)"
+                                 : " (address in use or invalid, or the TLS certificate and key "
+                                   "do not parse or do not match?)"));
   }
   s->server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   s->server_->GetHealthCheckService()->SetServingStatus(true);

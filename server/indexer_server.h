@@ -1,5 +1,6 @@
-// IndexerServer: a running indexer gRPC server (engine, backend, service, health checking and
-// reflection). main() runs one; end-to-end tests run one in-process on a loopback port.
+// IndexerServer: a running indexer gRPC server (engine, backend, services, health checking and
+// reflection), with TLS, token authentication and a restored snapshot when its options ask for
+// them. main() runs one; end-to-end tests run one in-process on a loopback port.
 //
 // Start() returns once the server accepts calls. Shutdown() may be called once, from any thread.
 #pragma once
@@ -11,6 +12,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "server/access_control.h"
+#include "server/admin_service.h"
 #include "server/indexer_service.h"
 #include "server/request_executor.h"
 #include "server/server_options.h"
@@ -19,8 +22,10 @@ namespace indexer::server {
 
 class IndexerServer {
  public:
-  // Builds the backend (per options.device), the engine and the gRPC server, binds and starts.
-  // Errors: those of the backend factory, or UNAVAILABLE when the address cannot be bound.
+  // Builds the backend (per options.device), the engine and the gRPC server, restores
+  // options.restore when given, binds and starts. Errors: those of the backend factory, of the
+  // token file, TLS files or snapshot folder (naming the flag), of the restore (nothing is
+  // served then), or UNAVAILABLE when the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<IndexerServer>> Start(const ServerOptions& options);
 
   ~IndexerServer();
@@ -39,7 +44,9 @@ class IndexerServer {
 
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<RequestExecutor> executor_;
+  std::unique_ptr<AccessControl> access_;
   std::unique_ptr<IndexerService> service_;
+  std::unique_ptr<IndexerAdminService> admin_service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   bool stopped_ = false;

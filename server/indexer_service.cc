@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/time/clock.h"
+#include "server/authenticated_call.h"
 #include "server/status_convert.h"
 
 namespace indexer::server {
@@ -27,8 +28,9 @@ engine::CallControl ControlOf(grpc::CallbackServerContext* ctx) {
   return c;
 }
 
-engine::AppendRequest ToEngine(const v1::AppendKeysRequest& r) {
+engine::AppendRequest ToEngine(const v1::AppendKeysRequest& r, absl::string_view tenant) {
   engine::AppendRequest a;
+  a.tenant = tenant;
   a.sequence_id = r.sequence_id();
   a.layer = r.layer();
   a.all_layers = r.all_layers();
@@ -38,11 +40,12 @@ engine::AppendRequest ToEngine(const v1::AppendKeysRequest& r) {
   return a;
 }
 
-engine::StepRequest ToEngine(const v1::SelectBlocksRequest& r) {
+engine::StepRequest ToEngine(const v1::SelectBlocksRequest& r, absl::string_view tenant) {
   engine::StepRequest s;
+  s.tenant = tenant;
   s.sequence_id = r.sequence_id();
   s.layer = r.layer();
-  if (r.has_append()) s.append = ToEngine(r.append());
+  if (r.has_append()) s.append = ToEngine(r.append(), tenant);
   if (r.has_start_position()) s.start_position = r.start_position();
   s.num_heads = r.num_heads();
   s.query_dtype = FromProto(r.query_dtype());
@@ -90,19 +93,17 @@ void LogFailure(const char* rpc, const absl::Status& s) {
 }  // namespace
 
 template <typename Handler>
-grpc::ServerUnaryReactor* IndexerService::Defer(grpc::CallbackServerContext* ctx, Handler handler) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  executor_->Submit([reactor, handler = std::move(handler)]() mutable {
-    reactor->Finish(handler());
-  });
-  return reactor;
+grpc::ServerUnaryReactor* IndexerService::Defer(grpc::CallbackServerContext* ctx,
+                                                absl::string_view rpc, Handler handler) {
+  return RunAuthenticated(ctx, *access_, *executor_, rpc, std::move(handler));
 }
 
 grpc::ServerUnaryReactor* IndexerService::AppendKeys(grpc::CallbackServerContext* ctx,
                                                      const v1::AppendKeysRequest* req,
                                                      v1::AppendKeysResponse* resp) {
-  return Defer(ctx, [this, ctx, req, resp] {
-    absl::StatusOr<engine::StepResult> r = engine_->Append(ToEngine(*req), ControlOf(ctx));
+  return Defer(ctx, "AppendKeys", [this, ctx, req, resp](const Caller& caller) {
+    absl::StatusOr<engine::StepResult> r =
+        engine_->Append(ToEngine(*req, caller.tenant), ControlOf(ctx));
     LogFailure("AppendKeys", r.status());
     if (!r.ok()) return ToGrpcStatus(r.status());
     PutLengths(r->lengths, resp->mutable_lengths());
@@ -115,8 +116,9 @@ grpc::ServerUnaryReactor* IndexerService::AppendKeys(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* IndexerService::SelectBlocks(grpc::CallbackServerContext* ctx,
                                                        const v1::SelectBlocksRequest* req,
                                                        v1::SelectBlocksResponse* resp) {
-  return Defer(ctx, [this, ctx, req, resp] {
-    absl::StatusOr<engine::StepResult> r = engine_->Select(ToEngine(*req), ControlOf(ctx));
+  return Defer(ctx, "SelectBlocks", [this, ctx, req, resp](const Caller& caller) {
+    absl::StatusOr<engine::StepResult> r =
+        engine_->Select(ToEngine(*req, caller.tenant), ControlOf(ctx));
     LogFailure("SelectBlocks", r.status());
     if (!r.ok()) return ToGrpcStatus(r.status());
     ToProto(*r, engine_->config().page_table.pages_per_block, resp);
@@ -124,11 +126,11 @@ grpc::ServerUnaryReactor* IndexerService::SelectBlocks(grpc::CallbackServerConte
   });
 }
 
-void IndexerService::RunBatch(grpc::CallbackServerContext* ctx, const v1::BatchRequest& req,
-                              v1::BatchResponse* resp) {
+void IndexerService::RunBatch(grpc::CallbackServerContext* ctx, const Caller& caller,
+                              const v1::BatchRequest& req, v1::BatchResponse* resp) {
   std::vector<engine::StepRequest> items;
   items.reserve(req.items_size());
-  for (const auto& item : req.items()) items.push_back(ToEngine(item));
+  for (const auto& item : req.items()) items.push_back(ToEngine(item, caller.tenant));
   std::vector<absl::StatusOr<engine::StepResult>> results = engine_->Batch(items, ControlOf(ctx));
   resp->set_request_id(req.request_id());
   resp->mutable_results()->Reserve(static_cast<int>(results.size()));
@@ -147,8 +149,8 @@ void IndexerService::RunBatch(grpc::CallbackServerContext* ctx, const v1::BatchR
 grpc::ServerUnaryReactor* IndexerService::Batch(grpc::CallbackServerContext* ctx,
                                                 const v1::BatchRequest* req,
                                                 v1::BatchResponse* resp) {
-  return Defer(ctx, [this, ctx, req, resp] {
-    RunBatch(ctx, *req, resp);
+  return Defer(ctx, "Batch", [this, ctx, req, resp](const Caller& caller) {
+    RunBatch(ctx, caller, *req, resp);
     return grpc::Status::OK;
   });
 }
@@ -158,9 +160,18 @@ grpc::ServerUnaryReactor* IndexerService::Batch(grpc::CallbackServerContext* ctx
 class IndexerService::BatchStreamReactor final
     : public grpc::ServerBidiReactor<v1::BatchRequest, v1::BatchResponse> {
  public:
-  BatchStreamReactor(IndexerService* service, grpc::CallbackServerContext* ctx)
+  // `caller`: the stream's authenticated caller, or why it was refused (the stream then ends
+  // at once with that status).
+  BatchStreamReactor(IndexerService* service, grpc::CallbackServerContext* ctx,
+                     absl::StatusOr<Caller> caller)
       : service_(service), ctx_(ctx) {
     service_->Register(this);  // may Stop() this stream at once when shutting down
+    if (!caller.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      FinishLocked(ToGrpcStatus(caller.status()));
+      return;
+    }
+    caller_ = *std::move(caller);
     StartRead(&request_);
   }
 
@@ -174,7 +185,7 @@ class IndexerService::BatchStreamReactor final
     busy_ = true;
     service_->executor_->Submit([this] {
       response_.Clear();
-      service_->RunBatch(ctx_, request_, &response_);
+      service_->RunBatch(ctx_, caller_, request_, &response_);
       StartWrite(&response_);
     });
   }
@@ -215,6 +226,7 @@ class IndexerService::BatchStreamReactor final
 
   IndexerService* service_;
   grpc::CallbackServerContext* ctx_;
+  Caller caller_;
   v1::BatchRequest request_;
   v1::BatchResponse response_;
   std::mutex mu_;
@@ -245,14 +257,14 @@ void IndexerService::BeginShutdown() {
 
 grpc::ServerBidiReactor<v1::BatchRequest, v1::BatchResponse>* IndexerService::BatchStream(
     grpc::CallbackServerContext* ctx) {
-  return new BatchStreamReactor(this, ctx);
+  return new BatchStreamReactor(this, ctx, CallerOf(*access_, *ctx, "BatchStream"));
 }
 
 grpc::ServerUnaryReactor* IndexerService::ReleaseSequence(grpc::CallbackServerContext* ctx,
                                                           const v1::ReleaseSequenceRequest* req,
                                                           v1::ReleaseSequenceResponse* resp) {
-  return Defer(ctx, [this, req, resp] {
-    absl::StatusOr<int64_t> freed = engine_->Release(req->sequence_id());
+  return Defer(ctx, "ReleaseSequence", [this, req, resp](const Caller& caller) {
+    absl::StatusOr<int64_t> freed = engine_->Release(req->sequence_id(), caller.tenant);
     if (!freed.ok()) return ToGrpcStatus(freed.status());
     resp->set_pages_freed(static_cast<uint32_t>(*freed));
     return grpc::Status::OK;
@@ -262,8 +274,9 @@ grpc::ServerUnaryReactor* IndexerService::ReleaseSequence(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* IndexerService::TruncateSequence(grpc::CallbackServerContext* ctx,
                                                            const v1::TruncateSequenceRequest* req,
                                                            v1::TruncateSequenceResponse* resp) {
-  return Defer(ctx, [this, req, resp] {
-    absl::StatusOr<engine::TruncateResult> r = engine_->Truncate(req->sequence_id(), req->length());
+  return Defer(ctx, "TruncateSequence", [this, req, resp](const Caller& caller) {
+    absl::StatusOr<engine::TruncateResult> r =
+        engine_->Truncate(req->sequence_id(), req->length(), caller.tenant);
     if (!r.ok()) return ToGrpcStatus(r.status());
     PutLengths(r->lengths, resp->mutable_lengths());
     resp->set_num_blocks(static_cast<uint32_t>(r->num_blocks));
@@ -275,10 +288,11 @@ grpc::ServerUnaryReactor* IndexerService::TruncateSequence(grpc::CallbackServerC
 grpc::ServerUnaryReactor* IndexerService::ForkSequence(grpc::CallbackServerContext* ctx,
                                                        const v1::ForkSequenceRequest* req,
                                                        v1::ForkSequenceResponse* resp) {
-  return Defer(ctx, [this, req, resp] {
+  return Defer(ctx, "ForkSequence", [this, req, resp](const Caller& caller) {
     std::optional<int64_t> length;
     if (req->has_length()) length = req->length();
-    absl::StatusOr<engine::ForkResult> r = engine_->Fork(req->source_id(), req->target_id(), length);
+    absl::StatusOr<engine::ForkResult> r =
+        engine_->Fork(req->source_id(), req->target_id(), length, caller.tenant);
     if (!r.ok()) return ToGrpcStatus(r.status());
     PutLengths(r->lengths, resp->mutable_lengths());
     resp->set_num_blocks(static_cast<uint32_t>(r->num_blocks));
@@ -290,8 +304,8 @@ grpc::ServerUnaryReactor* IndexerService::ForkSequence(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* IndexerService::GetSequence(grpc::CallbackServerContext* ctx,
                                                       const v1::GetSequenceRequest* req,
                                                       v1::GetSequenceResponse* resp) {
-  return Defer(ctx, [this, req, resp] {
-    absl::StatusOr<engine::SequenceInfo> r = engine_->Get(req->sequence_id());
+  return Defer(ctx, "GetSequence", [this, req, resp](const Caller& caller) {
+    absl::StatusOr<engine::SequenceInfo> r = engine_->Get(req->sequence_id(), caller.tenant);
     if (!r.ok()) return ToGrpcStatus(r.status());
     resp->set_sequence_id(req->sequence_id());
     PutLengths(r->lengths, resp->mutable_lengths());
@@ -305,7 +319,7 @@ grpc::ServerUnaryReactor* IndexerService::GetSequence(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* IndexerService::ServerInfo(grpc::CallbackServerContext* ctx,
                                                      const v1::ServerInfoRequest* /*req*/,
                                                      v1::ServerInfoResponse* resp) {
-  return Defer(ctx, [this, resp] {
+  return Defer(ctx, "ServerInfo", [this, resp](const Caller& caller) {
     const engine::EngineConfig& c = engine_->config();
     const engine::EngineStats s = engine_->Stats();
     resp->set_version(version_);
@@ -329,6 +343,10 @@ grpc::ServerUnaryReactor* IndexerService::ServerInfo(grpc::CallbackServerContext
     resp->set_live_sequences(s.live_sequences);
     resp->set_max_tokens_per_sequence(static_cast<uint32_t>(c.max_tokens_per_sequence));
     resp->set_max_message_bytes(max_message_bytes_);
+    const engine::TenantUsage usage = engine_->Usage(caller.tenant);
+    resp->set_tenant(caller.tenant);
+    resp->set_tenant_pages(static_cast<uint64_t>(usage.pages));
+    resp->set_tenant_page_quota(static_cast<uint64_t>(usage.page_quota));
     return grpc::Status::OK;
   });
 }

@@ -1,6 +1,7 @@
 // IndexerService: the gRPC edge of the engine. It only translates protobuf <-> engine types and
 // absl::Status -> grpc::Status; every rule lives in the engine. Handlers run on a
-// RequestExecutor so that gRPC's callback threads never block.
+// RequestExecutor so that gRPC's callback threads never block. Every call is authenticated
+// first (AccessControl): the caller's tenant goes with each engine request.
 #pragma once
 
 #include <mutex>
@@ -8,17 +9,19 @@
 
 #include "engine/engine.h"
 #include "indexer/v1/indexer.grpc.pb.h"
+#include "server/access_control.h"
 #include "server/request_executor.h"
 
 namespace indexer::server {
 
 class IndexerService final : public indexer::v1::Indexer::CallbackService {
  public:
-  // `engine` and `executor` must outlive the service and every call it serves.
-  IndexerService(engine::Engine* engine, RequestExecutor* executor, std::string version,
-                 int64_t max_message_bytes)
+  // `engine`, `executor` and `access` must outlive the service and every call it serves.
+  IndexerService(engine::Engine* engine, RequestExecutor* executor, const AccessControl* access,
+                 std::string version, int64_t max_message_bytes)
       : engine_(engine),
         executor_(executor),
+        access_(access),
         version_(std::move(version)),
         max_message_bytes_(max_message_bytes) {}
 
@@ -48,8 +51,8 @@ class IndexerService final : public indexer::v1::Indexer::CallbackService {
                                        const v1::ServerInfoRequest* req,
                                        v1::ServerInfoResponse* resp) override;
 
-  // Answers one batch; shared by Batch and BatchStream.
-  void RunBatch(grpc::CallbackServerContext* ctx, const v1::BatchRequest& req,
+  // Answers one batch for `caller`; shared by Batch and BatchStream.
+  void RunBatch(grpc::CallbackServerContext* ctx, const Caller& caller, const v1::BatchRequest& req,
                 v1::BatchResponse* resp);
 
   // Ends every BatchStream with UNAVAILABLE: idle ones now, busy ones once their current answer
@@ -62,12 +65,15 @@ class IndexerService final : public indexer::v1::Indexer::CallbackService {
   void Register(BatchStreamReactor* stream);
   void Unregister(BatchStreamReactor* stream);
 
-  // Runs `handler` on the executor and finishes the call with the status it returns.
+  // Authenticates the call, runs `handler(caller)` on the executor and finishes the call with
+  // the status it returns.
   template <typename Handler>
-  grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, Handler handler);
+  grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, absl::string_view rpc,
+                                  Handler handler);
 
   engine::Engine* engine_;
   RequestExecutor* executor_;
+  const AccessControl* access_;
   std::string version_;
   int64_t max_message_bytes_;
   // Live streams. Recursive: a stream's OnDone (which unregisters it) may run inside

@@ -37,6 +37,24 @@ ABSL_FLAG(double, drain_seconds, 30, "On SIGINT/SIGTERM, how long in-flight call
 ABSL_FLAG(double, not_serving_seconds, 1,
           "On SIGINT/SIGTERM, how long health checks answer NOT_SERVING before new calls are refused");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
+ABSL_FLAG(std::string, tls_cert, "",
+          "TLS: PEM certificate (chain) of the server; with --tls_key the server accepts only TLS");
+ABSL_FLAG(std::string, tls_key, "", "TLS: PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "Mutual TLS: PEM CA certificate(s); clients must present a certificate one of them signed");
+ABSL_FLAG(std::string, token_file, "",
+          "Bearer tokens, one '<token> <tenant> [admin] [quota=<pages or size>]' per line; every "
+          "call then needs 'authorization: Bearer <token>' (docs/SECURITY.md). Empty: no auth");
+ABSL_FLAG(std::string, tenant_quota, "0",
+          "Pages each tenant may hold: a page count or a size (2GiB); 0 = no quota. A token file's "
+          "quota=... overrides it per tenant");
+ABSL_FLAG(std::string, snapshot_dir, "",
+          "Folder where IndexerAdmin.Snapshot writes snapshot files (empty: the RPC is refused)");
+ABSL_FLAG(std::string, snapshot_on_shutdown, "",
+          "After a graceful shutdown (SIGINT/SIGTERM), write every sequence to this snapshot file");
+ABSL_FLAG(std::string, restore, "",
+          "At start, load this snapshot file (refused, and the server exits 1, if it does not match "
+          "this server's head_dim, key_dtype and layers or is corrupt)");
 
 namespace indexer::server {
 namespace {
@@ -45,7 +63,9 @@ const char* const kFlagNames[] = {
     "listen", "device", "head_dim", "layers", "key_dtype", "capacity", "max_index_heads",
     "max_topk", "topk", "init_blocks", "local_blocks", "pages_per_block", "block_page_stride",
     "max_tokens_per_sequence", "max_query_tokens", "max_batch_items", "cpu_threads",
-    "handler_threads", "max_message_bytes", "drain_seconds", "not_serving_seconds", "log_level"};
+    "handler_threads", "max_message_bytes", "drain_seconds", "not_serving_seconds", "log_level",
+    "tls_cert", "tls_key", "tls_client_ca", "token_file", "tenant_quota", "snapshot_dir",
+    "snapshot_on_shutdown", "restore"};
 
 }  // namespace
 
@@ -143,6 +163,28 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   if (!(o.not_serving_seconds >= 0) || o.not_serving_seconds > 60) {
     return absl::InvalidArgumentError(absl::StrCat("--not_serving_seconds is ", o.not_serving_seconds, "; it must be in [0, 60]"));
   }
+  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  if (o.tls_cert.empty() != o.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together: give both or neither");
+  }
+  if (!o.tls_client_ca.empty() && o.tls_cert.empty()) {
+    return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key (mutual TLS is TLS)");
+  }
+  o.token_file = absl::GetFlag(FLAGS_token_file);
+  const std::string quota = absl::GetFlag(FLAGS_tenant_quota);
+  if (quota != "0" && !quota.empty()) {
+    absl::StatusOr<int64_t> pages = ParseCapacity(quota, e.BytesPerPage());
+    if (!pages.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tenant_quota is '", quota, "'; give 0 (no quota), a page count (1024) or a size (2GiB)"));
+    }
+    o.tenant_quota_pages = *pages;
+  }
+  o.snapshot_dir = absl::GetFlag(FLAGS_snapshot_dir);
+  o.snapshot_on_shutdown = absl::GetFlag(FLAGS_snapshot_on_shutdown);
+  o.restore = absl::GetFlag(FLAGS_restore);
   static const char* const kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   bool level_ok = false;
   for (const char* l : kLevels) level_ok = level_ok || o.log_level == l;
@@ -159,12 +201,18 @@ std::string Summary(const ServerOptions& o) {
       "listen=%s device=%s head_dim=%d layers=%d key_dtype=%s capacity=%d pages (%.2f GiB) "
       "max_index_heads=%d max_topk=%d topk=%d init_blocks=%d local_blocks=%d pages_per_block=%d "
       "block_page_stride=%d max_tokens_per_sequence=%d max_query_tokens=%d max_batch_items=%d "
-      "max_message_bytes=%d",
+      "max_message_bytes=%d tls=%s token_file=%s tenant_quota=%d pages snapshot_dir=%s "
+      "snapshot_on_shutdown=%s restore=%s",
       o.listen, o.device, e.head_dim, e.layers, engine::KeyStorageName(e.key_storage),
       e.capacity_pages, static_cast<double>(e.capacity_pages * e.BytesPerPage()) / (1 << 30),
       e.max_index_heads, e.max_topk, e.defaults.topk, e.defaults.init_blocks,
       e.defaults.local_blocks, e.page_table.pages_per_block, e.page_table.block_page_stride,
-      e.max_tokens_per_sequence, e.max_query_tokens, e.max_batch_items, o.max_message_bytes);
+      e.max_tokens_per_sequence, e.max_query_tokens, e.max_batch_items, o.max_message_bytes,
+      o.tls_cert.empty() ? "off" : (o.tls_client_ca.empty() ? "on" : "mutual"),
+      o.token_file.empty() ? "none" : o.token_file, o.tenant_quota_pages,
+      o.snapshot_dir.empty() ? "none" : o.snapshot_dir,
+      o.snapshot_on_shutdown.empty() ? "none" : o.snapshot_on_shutdown,
+      o.restore.empty() ? "none" : o.restore);
 }
 
 }  // namespace indexer::server

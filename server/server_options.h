@@ -20,6 +20,16 @@ struct ServerOptions {
   double not_serving_seconds = 1;  // graceful shutdown: NOT_SERVING before the listener closes
   std::string log_level = "info";  // trace | debug | info | warn | error | off
   engine::EngineConfig engine;
+
+  // Security and durability (docs/SECURITY.md). Empty strings: off.
+  std::string tls_cert;          // PEM certificate chain of the server; with tls_key: TLS
+  std::string tls_key;           // PEM private key of tls_cert
+  std::string tls_client_ca;     // PEM CA(s): clients must present a certificate they signed
+  std::string token_file;        // bearer tokens -> tenants (AccessControl); empty: no auth
+  int64_t tenant_quota_pages = 0;  // default page quota of every tenant (0: none)
+  std::string snapshot_dir;      // where IndexerAdmin.Snapshot writes
+  std::string snapshot_on_shutdown;  // snapshot file written after a graceful shutdown
+  std::string restore;           // snapshot file loaded at start
 };
 
 // Parses a capacity: a page count ("8192") or a size ("2GiB", "512MiB", "1.5GB") converted to

@@ -2,8 +2,9 @@
 //
 //   indexer-cli [--server=host:port] <command> [flags]
 //
-// Commands: info, health, append, select, get, fork, truncate, release, demo (a short decode
-// workload that shows the service working and how fast it is). `indexer-cli --help` documents
+// Commands: info, health, append, select, get, fork, truncate, release, snapshot, demo (a short
+// decode workload that shows the service working and how fast it is). TLS and a bearer token
+// come from --tls* and --token (or $INDEXER_TOKEN). `indexer-cli --help` documents
 // every flag. Exit status: 0 ok, 1 an RPC failed (its status code name and message are
 // printed) or a result was malformed, 2 a usage error.
 #include <unistd.h>
@@ -56,6 +57,16 @@ ABSL_FLAG(std::string, service, "", "health: service name ('' = the whole server
 ABSL_FLAG(int32_t, sequences, 8, "demo: concurrent sequences");
 ABSL_FLAG(int32_t, steps, 64, "demo: decode steps (one Batch call each)");
 ABSL_FLAG(int32_t, chunk, 2048, "demo: prefill chunk, tokens per AppendKeys call");
+ABSL_FLAG(std::string, name, "", "snapshot: file name in the server's --snapshot_dir ('' = timestamped)");
+ABSL_FLAG(bool, tls, false, "Connect with TLS, trusting gRPC's default roots unless --tls_ca is given");
+ABSL_FLAG(std::string, tls_ca, "", "TLS: PEM file of the CA that signed the server's certificate");
+ABSL_FLAG(std::string, tls_cert, "", "Mutual TLS: PEM file of this client's certificate");
+ABSL_FLAG(std::string, tls_key, "", "Mutual TLS: PEM file of this client's private key");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "TLS: name to check the server's certificate against (default: the --server host)");
+ABSL_FLAG(std::string, token, "",
+          "Bearer token sent with every call (default: $INDEXER_TOKEN; the environment keeps it "
+          "out of the process list)");
 
 namespace {
 
@@ -86,6 +97,8 @@ Commands:
   fork       Copy --sequence to --target (first --length tokens, or all).
   truncate   Shorten --sequence to --length tokens.
   release    Release --sequence and its pages.
+  snapshot   Write every sequence to a snapshot file --name in the server's --snapshot_dir
+             (IndexerAdmin.Snapshot; needs an admin token on servers that check tokens).
   demo       A short decode workload: --sequences sequences prefilled with --tokens tokens each
              (in --chunk token AppendKeys calls), then --steps decode steps, each ONE Batch call
              appending every sequence's new key and selecting (--heads, --topk); then releases
@@ -96,6 +109,7 @@ Examples:
   indexer-cli append --sequence=s1 --tokens=1000 --attention_pages=auto
   indexer-cli select --sequence=s1 --heads=2 --tokens=2 --topk=4
   indexer-cli demo --server=10.0.0.5:50051 --sequences=16 --steps=128
+  INDEXER_TOKEN=... indexer-cli --server=idx.example:50051 --tls_ca=ca.pem info
 
 Exit status: 0 ok; 1 an RPC failed (its status code and message are printed) or a result was
 malformed; 2 usage error.
@@ -321,6 +335,12 @@ int Info(IndexerClient& client) {
   std::printf("live_sequences        %llu\n", static_cast<unsigned long long>(i.live_sequences()));
   std::printf("max_tokens_per_seq    %u\n", i.max_tokens_per_sequence());
   std::printf("max_message_bytes     %llu\n", static_cast<unsigned long long>(i.max_message_bytes()));
+  if (!i.tenant().empty()) {
+    std::printf("tenant                %s: %llu pages held, quota %s\n", i.tenant().c_str(),
+                static_cast<unsigned long long>(i.tenant_pages()),
+                i.tenant_page_quota() == 0 ? "none"
+                                           : absl::StrCat(i.tenant_page_quota(), " pages").c_str());
+  }
   return kOk;
 }
 
@@ -453,6 +473,40 @@ int Truncate(IndexerClient& client) {
   std::printf("truncated '%s': lengths %s, %u blocks, %u pages freed\n", id->c_str(),
               Lengths(r->lengths()).c_str(), r->num_blocks(), r->pages_freed());
   return kOk;
+}
+
+int Snapshot(IndexerClient& client) {
+  absl::StatusOr<v1::SnapshotResponse> r = client.Snapshot(absl::GetFlag(FLAGS_name), Call());
+  if (!r.ok()) return RpcError("Snapshot", r.status());
+  std::printf("snapshot %s: %llu sequences, %llu pages, %llu bytes in %.3f s\n", r->path().c_str(),
+              static_cast<unsigned long long>(r->sequences()),
+              static_cast<unsigned long long>(r->pages()),
+              static_cast<unsigned long long>(r->bytes()), r->seconds());
+  return kOk;
+}
+
+// TLS and token options from the flags (files read here); a usage error when a file is missing.
+absl::StatusOr<indexer::client::ClientOptions> SecurityOptions(const CommandLine& cl) {
+  indexer::client::ClientOptions options;
+  options.tls = absl::GetFlag(FLAGS_tls);
+  const std::pair<std::string, std::string*> files[] = {
+      {absl::GetFlag(FLAGS_tls_ca), &options.tls_root_ca_pem},
+      {absl::GetFlag(FLAGS_tls_cert), &options.tls_cert_chain_pem},
+      {absl::GetFlag(FLAGS_tls_key), &options.tls_private_key_pem}};
+  for (const auto& [path, pem] : files) {
+    if (path.empty()) continue;
+    absl::StatusOr<std::string> contents = indexer::client::ReadPemFile(path);
+    if (!contents.ok()) return contents.status();
+    *pem = *std::move(contents);
+  }
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  options.bearer_token = absl::GetFlag(FLAGS_token);
+  const bool token_on_command_line =
+      std::find(cl.set_flags.begin(), cl.set_flags.end(), "token") != cl.set_flags.end();
+  if (const char* env = std::getenv("INDEXER_TOKEN"); env != nullptr && !token_on_command_line) {
+    options.bearer_token = env;
+  }
+  return options;
 }
 
 int Release(IndexerClient& client) {
@@ -652,11 +706,14 @@ int main(int argc, char** argv) {
   const std::map<std::string, int (*)(IndexerClient&)> commands = {
       {"info", Info},   {"health", Health},     {"append", Append},   {"select", Select},
       {"get", Get},     {"fork", Fork},         {"truncate", Truncate}, {"release", Release},
+      {"snapshot", Snapshot},
       {"demo", [](IndexerClient& c) { return Demo(c).Run(); }}};
   const auto command = commands.find(cl->command);
   if (command == commands.end()) return UsageError(absl::StrCat("unknown command '", cl->command, "'"));
 
-  absl::StatusOr<std::unique_ptr<IndexerClient>> client = IndexerClient::Connect(server);
+  absl::StatusOr<indexer::client::ClientOptions> options = SecurityOptions(*cl);
+  if (!options.ok()) return UsageError(std::string(options.status().message()));
+  absl::StatusOr<std::unique_ptr<IndexerClient>> client = IndexerClient::Connect(server, *options);
   if (!client.ok()) return UsageError(std::string(client.status().message()));
   return command->second(**client);
 }

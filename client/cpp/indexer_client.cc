@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -145,10 +147,21 @@ const char* HealthStatusName(HealthStatus s) {
   }
 }
 
+absl::StatusOr<std::string> ReadPemFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  if (in) text << in.rdbuf();
+  if (!in || text.str().empty()) {
+    return absl::NotFoundError(absl::StrCat("cannot read ", path, " (missing, empty or unreadable)"));
+  }
+  return text.str();
+}
+
 IndexerClient::IndexerClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
     : channel_(std::move(channel)),
       options_(options),
-      stub_(v1::Indexer::NewStub(channel_)) {}
+      stub_(v1::Indexer::NewStub(channel_)),
+      admin_stub_(v1::IndexerAdmin::NewStub(channel_)) {}
 
 IndexerClient::~IndexerClient() = default;
 
@@ -158,8 +171,23 @@ absl::StatusOr<std::unique_ptr<IndexerClient>> IndexerClient::Connect(absl::stri
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
   args.SetMaxSendMessageSize(-1);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      std::string(target), grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (options.UsesTls()) {
+    if (options.tls_cert_chain_pem.empty() != options.tls_private_key_pem.empty()) {
+      return absl::InvalidArgumentError(
+          "a client certificate needs its private key and a key its certificate: give both");
+    }
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_ca_pem;
+    ssl.pem_cert_chain = options.tls_cert_chain_pem;
+    ssl.pem_private_key = options.tls_private_key_pem;
+    credentials = grpc::SslCredentials(ssl);
+    if (!options.tls_server_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls_server_name);
+    }
+  }
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(std::string(target), credentials, args);
   if (channel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("cannot make a channel to '", target, "'"));
   }
@@ -175,7 +203,51 @@ void IndexerClient::Prepare(grpc::ClientContext* context, const CallOptions& cal
   }
   context->set_deadline(absl::ToChronoTime(deadline));
   context->set_wait_for_ready(call.wait_for_ready);
+  Authorize(context);
 }
+
+void IndexerClient::Authorize(grpc::ClientContext* context) const {
+  // Metadata rather than grpc::AccessTokenCredentials, which gRPC refuses to send over an
+  // insecure channel: a token over plain loopback (or behind a TLS-terminating proxy) must work.
+  if (!options_.bearer_token.empty()) {
+    context->AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  }
+}
+
+namespace {
+
+// The sequence a call is about, sent as `x-sequence-id` metadata so that a proxy (nginx, Envoy)
+// can route every call of a sequence to the server holding it (docs/DEPLOY.md). Empty when the
+// call is not about one sequence.
+const std::string& RoutingKey(const v1::AppendKeysRequest& r) { return r.sequence_id(); }
+const std::string& RoutingKey(const v1::SelectBlocksRequest& r) { return r.sequence_id(); }
+const std::string& RoutingKey(const v1::ReleaseSequenceRequest& r) { return r.sequence_id(); }
+const std::string& RoutingKey(const v1::TruncateSequenceRequest& r) { return r.sequence_id(); }
+const std::string& RoutingKey(const v1::ForkSequenceRequest& r) { return r.source_id(); }
+const std::string& RoutingKey(const v1::GetSequenceRequest& r) { return r.sequence_id(); }
+const std::string& RoutingKey(const v1::BatchRequest& r) {
+  static const std::string kNone;
+  // A batch of one sequence routes like that sequence; a mixed batch needs client-side hashing.
+  if (r.items_size() == 0) return kNone;
+  for (const auto& item : r.items()) {
+    if (item.sequence_id() != r.items(0).sequence_id()) return kNone;
+  }
+  return r.items(0).sequence_id();
+}
+const std::string& RoutingKey(const v1::ServerInfoRequest&) {
+  static const std::string kNone;
+  return kNone;
+}
+
+// Metadata values must be printable ASCII; ids that are not cannot be routed by a proxy.
+bool PrintableAscii(const std::string& s) {
+  for (char c : s) {
+    if (c < 0x20 || c > 0x7e) return false;
+  }
+  return true;
+}
+
+}  // namespace
 
 template <typename Request, typename Response>
 absl::StatusOr<Response> IndexerClient::Call(
@@ -183,6 +255,8 @@ absl::StatusOr<Response> IndexerClient::Call(
     const Request& request, const CallOptions& call) {
   grpc::ClientContext context;
   Prepare(&context, call);
+  const std::string& key = RoutingKey(request);
+  if (!key.empty() && PrintableAscii(key)) context.AddMetadata("x-sequence-id", key);
   Response response;
   const grpc::Status status = (stub_.get()->*method)(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
@@ -241,6 +315,18 @@ absl::StatusOr<v1::ServerInfoResponse> IndexerClient::ServerInfo(const CallOptio
   return Call(&v1::Indexer::Stub::ServerInfo, request, call);
 }
 
+absl::StatusOr<v1::SnapshotResponse> IndexerClient::Snapshot(absl::string_view name,
+                                                            const CallOptions& call) {
+  grpc::ClientContext context;
+  Prepare(&context, call);
+  v1::SnapshotRequest request;
+  request.set_name(std::string(name));
+  v1::SnapshotResponse response;
+  const grpc::Status status = admin_stub_->Snapshot(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
 absl::StatusOr<Selection> IndexerClient::Select(const v1::SelectBlocksRequest& request,
                                                 const CallOptions& call) {
   absl::StatusOr<v1::SelectBlocksResponse> response = SelectBlocks(request, call);
@@ -289,8 +375,12 @@ absl::Status IndexerClient::WaitUntilServing(absl::Duration timeout) {
 
 std::unique_ptr<BatchStream> IndexerClient::OpenBatchStream(const CallOptions& call) {
   std::unique_ptr<BatchStream> stream(new BatchStream());
-  if (call.deadline || call.timeout) Prepare(&stream->context_, call);
-  stream->context_.set_wait_for_ready(call.wait_for_ready);
+  if (call.deadline || call.timeout) {
+    Prepare(&stream->context_, call);  // deadline, wait-for-ready and token
+  } else {
+    stream->context_.set_wait_for_ready(call.wait_for_ready);
+    Authorize(&stream->context_);
+  }
   stream->stream_ = stub_->BatchStream(&stream->context_);
   return stream;
 }

@@ -15,6 +15,11 @@
 // ClientOptions::default_timeout from now. A call whose deadline passes fails with
 // DEADLINE_EXCEEDED.
 //
+// Security (docs/SECURITY.md): ClientOptions turns on TLS (with the CA that signed the server's
+// certificate, and a client certificate for mutual TLS) and a bearer token, which every call
+// then carries as "authorization: Bearer <token>". A server that checks tokens answers calls
+// without one with UNAUTHENTICATED.
+//
 // Besides the RPCs, this header has the helpers that every caller needs to build requests and
 // read answers: packing float keys/queries into the wire bytes (bf16, rounded to nearest even
 // exactly as the server does, or fp32), unpacking int32 result bytes, and Selection, a typed
@@ -137,7 +142,29 @@ struct ClientOptions {
   // Largest message this client accepts from the server (gRPC's own default is 4 MiB, too small
   // for large selections). Sends are not limited here: the server enforces its own limit.
   int max_receive_message_bytes = 256 << 20;
+
+  // TLS. `tls` on, or any PEM below set: the channel is TLS. tls_root_ca_pem: the CA(s) that
+  // signed the server's certificate (empty: gRPC's default roots). tls_cert_chain_pem and
+  // tls_private_key_pem: this client's certificate, for servers that require mutual TLS.
+  // tls_server_name: the name to check the server's certificate against when it differs from
+  // the target's host (empty: the target's host).
+  bool tls = false;
+  std::string tls_root_ca_pem;
+  std::string tls_cert_chain_pem;
+  std::string tls_private_key_pem;
+  std::string tls_server_name;
+  // Sent with every call as "authorization: Bearer <token>" (empty: no token).
+  std::string bearer_token;
+
+  bool UsesTls() const {
+    return tls || !tls_root_ca_pem.empty() || !tls_cert_chain_pem.empty() ||
+           !tls_private_key_pem.empty();
+  }
 };
+
+// The contents of a PEM (or any) file, for ClientOptions. NOT_FOUND naming the path when it
+// cannot be read or is empty.
+absl::StatusOr<std::string> ReadPemFile(const std::string& path);
 
 // Per-call settings. `deadline` wins over `timeout`; with neither, the client's default_timeout.
 struct CallOptions {
@@ -165,8 +192,9 @@ class IndexerClient {
   IndexerClient(const IndexerClient&) = delete;
   IndexerClient& operator=(const IndexerClient&) = delete;
 
-  // A client on an insecure channel to `target` ("host:port", or any gRPC target URI).
-  // INVALID_ARGUMENT when target is empty. Connecting is lazy: the first call connects.
+  // A client on a channel to `target` ("host:port", or any gRPC target URI): TLS when
+  // options.UsesTls(), else insecure. INVALID_ARGUMENT when target is empty, or when only one of
+  // the client certificate and its key is given. Connecting is lazy: the first call connects.
   static absl::StatusOr<std::unique_ptr<IndexerClient>> Connect(absl::string_view target,
                                                                 ClientOptions options = {});
 
@@ -192,6 +220,10 @@ class IndexerClient {
   absl::StatusOr<v1::GetSequenceResponse> GetSequence(absl::string_view sequence_id,
                                                       const CallOptions& call = {});
   absl::StatusOr<v1::ServerInfoResponse> ServerInfo(const CallOptions& call = {});
+  // IndexerAdmin.Snapshot: writes a snapshot file named `name` ("" = a timestamped name) in the
+  // server's snapshot folder. Needs an admin token on servers that check tokens.
+  absl::StatusOr<v1::SnapshotResponse> Snapshot(absl::string_view name = "",
+                                                const CallOptions& call = {});
 
   // SelectBlocks, unpacked.
   absl::StatusOr<Selection> Select(const v1::SelectBlocksRequest& request,
@@ -212,8 +244,10 @@ class IndexerClient {
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
  private:
-  // Sets the deadline and wait-for-ready of a unary call's context.
+  // Sets the deadline, wait-for-ready and token of a unary call's context.
   void Prepare(grpc::ClientContext* context, const CallOptions& call) const;
+  // Adds the bearer token, when there is one.
+  void Authorize(grpc::ClientContext* context) const;
   // Runs one unary stub method with a prepared context and translates its status.
   template <typename Request, typename Response>
   absl::StatusOr<Response> Call(
@@ -223,6 +257,7 @@ class IndexerClient {
   std::shared_ptr<grpc::Channel> channel_;
   ClientOptions options_;
   std::unique_ptr<v1::Indexer::Stub> stub_;
+  std::unique_ptr<v1::IndexerAdmin::Stub> admin_stub_;
 };
 
 // One BatchStream call: BatchRequests in, BatchResponses out, one answer per request, in order.

@@ -1,6 +1,7 @@
 #include "engine/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -36,6 +37,8 @@ class CudaBackend final : public KeyCacheBackend {
   std::string device() const override { return device_name_; }
   absl::Status WriteKeys(const KeyWrite& write) override;
   absl::Status CopyPage(int32_t src, int32_t dst) override;
+  absl::Status ReadPages(std::span<const int32_t> pages, uint8_t* dst) override;
+  absl::Status WritePages(std::span<const int32_t> pages, const uint8_t* src) override;
   absl::Status Select(std::span<const SelectTask> tasks,
                       const kernels::PageTableParams& page_table) override;
 
@@ -153,6 +156,75 @@ absl::Status CudaBackend::CopyPage(int32_t src, int32_t dst) {
         "cudaMemcpyAsync(page copy)"));
   }
   return Finish("page copy");
+}
+
+absl::Status CudaBackend::ReadPages(std::span<const int32_t> pages, uint8_t* dst) {
+  if (pages.empty()) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  INDEXER_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(kDevice), "cudaSetDevice"));
+  const int64_t page_bytes = layer_bytes_ / config_.capacity_pages;
+  const int64_t total = static_cast<int64_t>(pages.size()) * config_.layers * page_bytes;
+  INDEXER_RETURN_IF_ERROR(h_out_.Reserve(total));
+  char* h = h_out_.get<char>();
+  const char* pool = pool_.get<char>();
+  absl::Status status;
+  for (size_t i = 0; i < pages.size() && status.ok(); ++i) {
+    for (int l = 0; l < config_.layers && status.ok(); ++l) {
+      status = CudaStatus(
+          cudaMemcpyAsync(h + (static_cast<int64_t>(i) * config_.layers + l) * page_bytes,
+                          pool + l * layer_bytes_ + pages[i] * page_bytes, page_bytes,
+                          cudaMemcpyDeviceToHost, stream_.get()),
+          "cudaMemcpyAsync(read page)");
+    }
+  }
+  // Wait even after a failed enqueue: copies already queued still use the staging buffer.
+  const absl::Status finished = Finish("read pages");
+  INDEXER_RETURN_IF_ERROR(status);
+  INDEXER_RETURN_IF_ERROR(finished);
+  std::memcpy(dst, h, total);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::WritePages(std::span<const int32_t> pages, const uint8_t* src) {
+  if (pages.empty()) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  INDEXER_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(kDevice), "cudaSetDevice"));
+  const int64_t page_bytes = layer_bytes_ / config_.capacity_pages;
+  const int64_t total = static_cast<int64_t>(pages.size()) * config_.layers * page_bytes;
+  INDEXER_RETURN_IF_ERROR(h_in_.Reserve(total));
+  char* h = h_in_.get<char>();
+  std::memcpy(h, src, total);
+  char* pool = pool_.get<char>();
+  absl::Status status;
+  for (size_t i = 0; i < pages.size() && status.ok(); ++i) {
+    for (int l = 0; l < config_.layers && status.ok(); ++l) {
+      status = CudaStatus(
+          cudaMemcpyAsync(pool + l * layer_bytes_ + pages[i] * page_bytes,
+                          h + (static_cast<int64_t>(i) * config_.layers + l) * page_bytes,
+                          page_bytes, cudaMemcpyHostToDevice, stream_.get()),
+          "cudaMemcpyAsync(write page)");
+    }
+  }
+  const absl::Status finished = Finish("write pages");
+  INDEXER_RETURN_IF_ERROR(status);
+  INDEXER_RETURN_IF_ERROR(finished);
+  // Selections pick their path from the largest key written (see key_max_abs_).
+  const int64_t elems = page_bytes / kernels::KeyStorageBytes(config_.key_storage);
+  for (size_t i = 0; i < pages.size(); ++i) {
+    for (int l = 0; l < config_.layers; ++l) {
+      const uint8_t* page = src + (static_cast<int64_t>(i) * config_.layers + l) * page_bytes;
+      float m = 0.0f;
+      if (config_.key_storage == kernels::KeyStorage::kBf16) {
+        m = kernels::cuda::ScanBf16(reinterpret_cast<const uint16_t*>(page), elems).max_abs;
+      } else {
+        for (int64_t e = 0; e < elems; ++e) {
+          m = std::max(m, std::fabs(kernels::Fp8E4M3ToFloat(page[e])));
+        }
+      }
+      key_max_abs_[l] = std::max(key_max_abs_[l], m);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::Select(std::span<const SelectTask> tasks,

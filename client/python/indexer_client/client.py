@@ -173,22 +173,55 @@ class IndexerClient:
 
     timeout: seconds each unary call may take (its gRPC deadline); None for no deadline.
     max_message_bytes: largest message sent or received (the server's default is 64 MiB).
+    Security (docs/SECURITY.md), all keyword-only:
+      tls: connect with TLS (implied by any of the PEM arguments).
+      root_certificates: PEM bytes of the CA that signed the server's certificate (None: gRPC's
+        default roots).
+      certificate_chain, private_key: PEM bytes of this client's certificate and key, for servers
+        that require mutual TLS.
+      server_name: the name to check the server's certificate against, when not the target host.
+      token: bearer token sent with every call as "authorization: Bearer <token>".
     Results: select_blocks/batch return Selection objects; the other calls return the response
     message of their RPC (see proto/indexer/v1/indexer.proto).
     """
 
     def __init__(self, target: str, timeout: Optional[float] = 30.0,
-                 max_message_bytes: int = 64 << 20):
+                 max_message_bytes: int = 64 << 20, *, tls: bool = False,
+                 root_certificates: Optional[bytes] = None,
+                 certificate_chain: Optional[bytes] = None, private_key: Optional[bytes] = None,
+                 server_name: Optional[str] = None, token: Optional[str] = None):
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)])
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        if tls or root_certificates or certificate_chain or private_key:
+            if (certificate_chain is None) != (private_key is None):
+                raise ValueError("certificate_chain and private_key go together: give both or neither")
+            if server_name:
+                options.append(("grpc.ssl_target_name_override", server_name))
+            credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
+                                                       certificate_chain)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        # Plain metadata rather than call credentials, which gRPC sends over TLS only: a token
+        # must also work over loopback or behind a TLS-terminating proxy.
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._stub = pb_grpc.IndexerStub(self._channel)
+        self._admin_stub = pb_grpc.IndexerAdminStub(self._channel)
 
     def _call(self, method, request):
+        # `x-sequence-id` lets a proxy route every call of a sequence to the server holding it
+        # (docs/DEPLOY.md); only for calls about one sequence, and only printable ids.
+        metadata = self._metadata
+        key = getattr(request, "sequence_id", "") or getattr(request, "source_id", "")
+        if not key and getattr(request, "items", None):
+            ids = {item.sequence_id for item in request.items}
+            key = ids.pop() if len(ids) == 1 else ""
+        if key and key.isascii() and key.isprintable():
+            metadata = (metadata or ()) + (("x-sequence-id", key),)
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
             raise IndexerError.from_rpc(e) from None
 
@@ -221,7 +254,7 @@ class IndexerClient:
 
     def open_stream(self) -> BatchStream:
         """Opens a BatchStream: one long-lived call for a scheduler's every step."""
-        return BatchStream(self._stub)
+        return BatchStream(self._stub, self._metadata)
 
     def release(self, sequence_id: str):
         """Releases a sequence. Returns ReleaseSequenceResponse (pages_freed)."""
@@ -248,6 +281,12 @@ class IndexerClient:
     def server_info(self):
         """Returns ServerInfoResponse: configuration, defaults, capacity and use."""
         return self._call(self._stub.ServerInfo, pb.ServerInfoRequest())
+
+    def snapshot(self, name: str = ""):
+        """IndexerAdmin.Snapshot: writes every sequence to a snapshot file `name` ("" = a
+        timestamped name) in the server's --snapshot_dir. Needs an admin token when the server
+        checks tokens. Returns SnapshotResponse (path, bytes, sequences, pages, seconds)."""
+        return self._call(self._admin_stub.Snapshot, pb.SnapshotRequest(name=name))
 
     def health(self, service: str = "") -> str:
         """The standard gRPC health status: "SERVING", "NOT_SERVING", ..."""

@@ -1,0 +1,78 @@
+// The load generator of indexer-bench: runs stages of SimulatedSchedulers (scheduler.h) in closed
+// loop (each worker sends its next decode request as soon as the last one answered) or open loop
+// (requests start at ArrivalPacer times, latency counted from the intended time), stops them by
+// duration, request count or sequence count, and runs sweeps of stages over concurrency or rate
+// that stop once a latency threshold is crossed.
+//
+// Threads: RunStage and RunSweep block the calling thread and start their own workers;
+// RequestStop may be called from any thread (or a signal handler) to end the run early, keeping
+// what was measured.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/bench/checker.h"
+#include "client/bench/recorder.h"
+#include "client/bench/workload.h"
+#include "client/cpp/sharded_client.h"
+
+namespace indexer::bench {
+
+// How the load of every stage is generated, besides what StageSetup says.
+struct LoadOptions {
+  double interval_s = 1.0;                     // timeline resolution
+  absl::Duration timeout = absl::Seconds(30);  // deadline of each unary call
+  bool check = false;
+  double tolerance = 1e-2;
+  uint64_t seed = 1;
+};
+
+// Progress callback: called about twice a second from the stage's own thread.
+using ProgressFn =
+    std::function<void(const StageSetup&, int stage, int stages, const ProgressSnapshot&)>;
+
+// Ends every running stage soon (workers finish the request in flight). Async-signal-safe.
+void RequestStop();
+bool StopRequested();
+
+// Runs one stage with fresh sequences: workers (setup.concurrency) each with a
+// SimulatedScheduler on connections[worker % connections.size()], initial prefills, then the
+// load until the stage's limits, then releases everything. `offset_s` is stamped on the result.
+// INVALID_ARGUMENT when the setup has no limit or no workers.
+absl::StatusOr<StageResult> RunStage(const StageSetup& setup, const WorkloadSpec& spec,
+                                     const ServerShape& shape, const ValuePool& pool,
+                                     const std::vector<client::ShardedClient*>& connections,
+                                     const LoadOptions& options, double offset_s,
+                                     const ProgressFn& progress, int stage = 0, int stages = 1);
+
+// A sweep: the stages to run in order and when to stop.
+struct SweepPlan {
+  std::string kind;  // "" (a single stage), "concurrency" or "rate"
+  std::vector<StageSetup> stages;
+  double max_latency_ms = 0;  // stop after a stage whose percentile exceeds this (0: never)
+  double percentile = 0.99;
+  double max_error_rate = 0.01;  // stop after a stage with more errors than this
+};
+
+// Parses a sweep's values: "1,2,4,8" or a geometric range "START..END*FACTOR" (e.g.
+// "100..3200*2"). INVALID_ARGUMENT for anything else, non-positive values or over 64 stages.
+absl::StatusOr<std::vector<double>> ParseSweepValues(absl::string_view text);
+
+struct SweepOutcome {
+  std::vector<StageResult> stages;
+  std::string stop_reason;  // why the sweep stopped early, or empty
+};
+
+// Runs the plan's stages in order (each with its own sequences, ids prefixed per stage), stopping
+// early per the plan or RequestStop. Stage ids are spec.id_prefix + "s<stage>-" + index.
+absl::StatusOr<SweepOutcome> RunSweep(const SweepPlan& plan, const WorkloadSpec& spec,
+                                      const ServerShape& shape, const ValuePool& pool,
+                                      const std::vector<client::ShardedClient*>& connections,
+                                      const LoadOptions& options, const ProgressFn& progress);
+
+}  // namespace indexer::bench

@@ -1,0 +1,125 @@
+// ArrivalPacer (client/bench/pacer.h): the intended times have the right rate and gap statistics,
+// and workers that sleep until them really send at that rate.
+#include "client/bench/pacer.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace indexer::bench {
+namespace {
+
+struct GapStats {
+  double mean = 0;
+  double cv = 0;  // standard deviation / mean
+};
+
+GapStats Gaps(const std::vector<Clock::time_point>& times) {
+  std::vector<double> gaps;
+  for (size_t i = 1; i < times.size(); ++i) gaps.push_back(Seconds(times[i] - times[i - 1]));
+  double sum = 0, sq = 0;
+  for (double g : gaps) sum += g;
+  const double mean = sum / static_cast<double>(gaps.size());
+  for (double g : gaps) sq += (g - mean) * (g - mean);
+  return GapStats{mean, std::sqrt(sq / static_cast<double>(gaps.size())) / mean};
+}
+
+TEST(ArrivalPacerTest, ConstantTimesAreExact) {
+  const Clock::time_point start = Clock::now();
+  ArrivalPacer pacer(1000, Arrivals::kConstant, start, 1);
+  for (int i = 0; i < 5000; ++i) {
+    const double offset = Seconds(pacer.Next() - start);
+    ASSERT_NEAR(offset, i / 1000.0, 1e-6) << i;
+  }
+  EXPECT_EQ(pacer.issued(), 5000);
+}
+
+TEST(ArrivalPacerTest, PoissonGapsAreExponential) {
+  const Clock::time_point start = Clock::now();
+  ArrivalPacer pacer(2000, Arrivals::kPoisson, start, 42);
+  std::vector<Clock::time_point> times;
+  for (int i = 0; i < 40000; ++i) times.push_back(pacer.Next());
+  ASSERT_TRUE(std::is_sorted(times.begin(), times.end()));
+  const GapStats g = Gaps(times);
+  EXPECT_NEAR(g.mean, 1.0 / 2000, 0.03 / 2000);  // 40k samples: about 0.5% standard error
+  EXPECT_NEAR(g.cv, 1.0, 0.05);                  // an exponential's CV is 1
+  // P(gap > mean) = 1/e for an exponential.
+  int64_t longer = 0;
+  for (size_t i = 1; i < times.size(); ++i) longer += Seconds(times[i] - times[i - 1]) > g.mean;
+  EXPECT_NEAR(static_cast<double>(longer) / static_cast<double>(times.size() - 1), std::exp(-1.0),
+              0.02);
+}
+
+TEST(ArrivalPacerTest, SameSeedSameTimes) {
+  const Clock::time_point start = Clock::now();
+  ArrivalPacer a(500, Arrivals::kPoisson, start, 9), b(500, Arrivals::kPoisson, start, 9);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(a.Next(), b.Next());
+}
+
+// Workers take times, sleep until them and note when they woke: the achieved rate and gaps must
+// match the target within a few percent over about a second.
+void ExpectAchievedRate(Arrivals arrivals, double expected_cv_low, double expected_cv_high) {
+  constexpr double kRate = 2000;
+  constexpr double kSeconds = 1.0;
+  constexpr int kWorkers = 4;
+  const Clock::time_point start = Clock::now() + std::chrono::milliseconds(20);
+  const Clock::time_point end =
+      start + std::chrono::milliseconds(static_cast<int>(kSeconds * 1000));
+  ArrivalPacer pacer(kRate, arrivals, start, 5);
+  std::mutex mu;
+  std::vector<Clock::time_point> sent;
+  std::vector<double> lateness;
+  std::vector<std::thread> workers;
+  for (int w = 0; w < kWorkers; ++w) {
+    workers.emplace_back([&] {
+      std::vector<Clock::time_point> mine;
+      std::vector<double> late;
+      while (true) {
+        const Clock::time_point t = pacer.Next();
+        if (t >= end) break;
+        SleepUntil(t);
+        const Clock::time_point now = Clock::now();
+        mine.push_back(now);
+        late.push_back(Seconds(now - t));
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      sent.insert(sent.end(), mine.begin(), mine.end());
+      lateness.insert(lateness.end(), late.begin(), late.end());
+    });
+  }
+  for (std::thread& t : workers) t.join();
+  std::sort(sent.begin(), sent.end());
+  ASSERT_GT(sent.size(), 100u);
+  const double span = Seconds(sent.back() - sent.front());
+  const double achieved = static_cast<double>(sent.size() - 1) / span;
+  EXPECT_NEAR(achieved, kRate, 0.05 * kRate)
+      << ArrivalsName(arrivals) << ": " << sent.size() << " sends in " << span << " s";
+  EXPECT_NEAR(static_cast<double>(sent.size()), kRate * kSeconds, 0.05 * kRate * kSeconds);
+  const GapStats g = Gaps(sent);
+  EXPECT_NEAR(g.mean, 1 / kRate, 0.05 / kRate);
+  EXPECT_GE(g.cv, expected_cv_low) << ArrivalsName(arrivals);
+  EXPECT_LE(g.cv, expected_cv_high) << ArrivalsName(arrivals);
+  // Sends happen close to their intended times (the median worker wakes within 2 ms).
+  std::sort(lateness.begin(), lateness.end());
+  EXPECT_LT(lateness[lateness.size() / 2], 2e-3);
+}
+
+TEST(ArrivalPacerTest, ConstantRateIsAchieved) {
+  // Timer jitter adds some spread to perfectly regular gaps, but far less than Poisson's.
+  ExpectAchievedRate(Arrivals::kConstant, 0.0, 0.6);
+}
+
+TEST(ArrivalPacerTest, PoissonRateIsAchieved) { ExpectAchievedRate(Arrivals::kPoisson, 0.8, 1.25); }
+
+TEST(ArrivalPacerTest, ParsesNames) {
+  EXPECT_EQ(*ParseArrivals("constant"), Arrivals::kConstant);
+  EXPECT_EQ(*ParseArrivals("poisson"), Arrivals::kPoisson);
+  EXPECT_FALSE(ParseArrivals("uniform").ok());
+}
+
+}  // namespace
+}  // namespace indexer::bench

@@ -1,0 +1,12 @@
+// A synthetic BenchReport (no server needed) for the report tests: a sweep of `stages` stages
+// with log-normal latencies that grow stage by stage, a timeline with a warm-up, a few errors of
+// two status codes and correctness totals.
+#pragma once
+
+#include "client/bench/report.h"
+
+namespace indexer::bench {
+
+BenchReport SampleReport(int stages);
+
+}  // namespace indexer::bench

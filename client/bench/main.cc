@@ -25,6 +25,7 @@
 #include "client/bench/report.h"
 #include "client/bench/runner.h"
 #include "client/bench/workload.h"
+#include "client/cpp/flag_args.h"
 #include "client/cpp/sharded_client.h"
 
 // Servers and connections.
@@ -242,45 +243,12 @@ absl::StatusOr<std::vector<std::string>> ParseFlags(int argc, char** argv, bool*
       *version = true;
       continue;
     }
-    absl::string_view body = arg;
-    if (!absl::ConsumePrefix(&body, "--") && !absl::ConsumePrefix(&body, "-")) {
+    if (!absl::StartsWith(arg, "-")) {
       return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
     }
-    std::string name(body), value;
-    bool has_value = false;
-    if (const size_t eq = body.find('='); eq != absl::string_view::npos) {
-      name = std::string(body.substr(0, eq));
-      value = std::string(body.substr(eq + 1));
-      has_value = true;
-    }
-    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-    if ((flag == nullptr || !IsOurFlag(*flag)) && !has_value && absl::StartsWith(name, "no")) {
-      absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
-      if (negated != nullptr && IsOurFlag(*negated) && negated->IsOfType<bool>()) {
-        flag = negated;
-        name = name.substr(2);
-        value = "false";
-        has_value = true;
-      }
-    }
-    if (flag == nullptr || !IsOurFlag(*flag)) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
-    }
-    if (!has_value) {
-      if (flag->IsOfType<bool>()) {
-        value = "true";
-      } else if (i + 1 < argc) {
-        value = argv[++i];
-      } else {
-        return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
-      }
-    }
-    std::string error;
-    if (!flag->ParseFrom(value, &error)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bad value '", value, "' for --", name, ": ", error));
-    }
-    set.push_back(name);
+    absl::StatusOr<std::string> name = indexer::client::ParseFlagArgument(argc, argv, &i, IsOurFlag);
+    if (!name.ok()) return name.status();
+    set.push_back(*name);
   }
   return set;
 }

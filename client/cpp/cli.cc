@@ -29,6 +29,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/cpp/flag_args.h"
 #include "client/cpp/indexer_client.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051",
@@ -169,44 +170,9 @@ absl::StatusOr<CommandLine> ParseArgs(int argc, char** argv) {
       positional.emplace_back(arg);
       continue;
     }
-    absl::string_view body = arg;
-    if (!absl::ConsumePrefix(&body, "--")) absl::ConsumePrefix(&body, "-");
-    std::string name(body);
-    std::string value;
-    bool has_value = false;
-    if (size_t eq = body.find('='); eq != absl::string_view::npos) {
-      name = std::string(body.substr(0, eq));
-      value = std::string(body.substr(eq + 1));
-      has_value = true;
-    }
-    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-    if ((flag == nullptr || !IsOurFlag(*flag)) && !has_value && absl::StartsWith(name, "no")) {
-      absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
-      if (negated != nullptr && IsOurFlag(*negated) && negated->IsOfType<bool>()) {
-        flag = negated;
-        name = name.substr(2);
-        value = "false";
-        has_value = true;
-      }
-    }
-    if (flag == nullptr || !IsOurFlag(*flag)) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
-    }
-    if (!has_value) {
-      if (flag->IsOfType<bool>()) {
-        value = "true";
-      } else if (i + 1 < argc) {
-        value = argv[++i];
-      } else {
-        return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
-      }
-    }
-    std::string error;
-    if (!flag->ParseFrom(value, &error)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bad value '", value, "' for --", name, ": ", error));
-    }
-    cl.set_flags.push_back(name);
+    absl::StatusOr<std::string> name = indexer::client::ParseFlagArgument(argc, argv, &i, IsOurFlag);
+    if (!name.ok()) return name.status();
+    cl.set_flags.push_back(*name);
   }
   if (positional.size() > 1) {
     return absl::InvalidArgumentError(

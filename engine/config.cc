@@ -59,6 +59,12 @@ absl::Status EngineConfig::Validate() const {
   if (max_batch_items < 1 || max_batch_items > (1 << 20)) {
     return OutOfRange("max_batch_items", max_batch_items, 1, 1 << 20);
   }
+  if (max_sequences < 0 || max_sequences > (int64_t{1} << 30)) {
+    return OutOfRange("max_sequences", max_sequences, 0, int64_t{1} << 30);
+  }
+  if (max_select_scores < 1 || max_select_scores > (int64_t{1} << 31)) {
+    return OutOfRange("max_select_scores", max_select_scores, 1, int64_t{1} << 31);
+  }
   if (cpu_threads < 0 || cpu_threads > 4096) return OutOfRange("cpu_threads", cpu_threads, 0, 4096);
   return absl::OkStatus();
 }

@@ -32,6 +32,12 @@ struct EngineConfig {
   int64_t max_tokens_per_sequence = int64_t{1} << 20;
   int max_query_tokens = 16384;        // n limit of one select span
   int max_batch_items = 4096;          // items of one Batch call
+  // Sequences held at once, every tenant together (0: no limit). Each costs memory even with
+  // no pages (forks of length 0, truncation to 0), so the default bounds it.
+  int64_t max_sequences = 65536;
+  // Raw block scores (4 bytes each) one span may need, and one backend call may hold: a span
+  // over more is refused (RESOURCE_EXHAUSTED), a wave over more is selected in several calls.
+  int64_t max_select_scores = int64_t{1} << 28;
   int cpu_threads = 0;                 // CPU backend workers; 0 = hardware concurrency
   int64_t max_response_bytes = 0;      // largest answer of one call (0: no limit)
 

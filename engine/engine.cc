@@ -16,10 +16,14 @@ constexpr size_t kMaxIdBytes = 256;
 // init/local block counts past any sequence's block count mean "every block"; clamping keeps
 // arithmetic in int.
 constexpr int64_t kMaxForcedBlocks = int64_t{1} << 30;
-// Raw block scores one span may need (4 bytes each): 1 GiB.
-constexpr int64_t kMaxSpanScores = int64_t{1} << 28;
 
 int64_t BlocksFor(int64_t tokens) { return (tokens + kBlockSize - 1) / kBlockSize; }
+
+// Raw block scores a span's selection holds: one per (token, head, visible block).
+int64_t SpanScores(const kernels::SpanSelect& span) {
+  return int64_t{span.num_tokens} * span.num_heads *
+         kernels::VisibleBlocks(span.start_pos + span.num_tokens - 1);
+}
 
 absl::Status CheckId(absl::string_view id, absl::string_view field) {
   if (id.empty() || id.size() > kMaxIdBytes) {
@@ -35,6 +39,13 @@ absl::Status CheckRange(absl::string_view field, int64_t value, int64_t lo, int6
         absl::StrCat(field, " is ", value, "; it must be in [", lo, ", ", hi, "]"));
   }
   return absl::OkStatus();
+}
+
+// Why a new sequence could not be made: the table is full (FindOrCreate and Insert fail only so).
+absl::Status SequenceLimitError(absl::string_view id, int64_t max_sequences) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "sequence '", id, "' cannot be created: the server holds max_sequences ", max_sequences,
+      " sequences; release some first"));
 }
 
 // The sequence's state before an append, to undo it when the selection that follows fails.
@@ -87,7 +98,8 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<KeyCacheBackend> back
                PageQuotas quotas)
     : config_(config),
       backend_(std::move(backend)),
-      pool_(config.capacity_pages, std::move(quotas)) {}
+      pool_(config.capacity_pages, std::move(quotas)),
+      sequences_(config.max_sequences) {}
 
 absl::Status Engine::PrepareAppend(const AppendRequest& r, absl::string_view step_sequence_id,
                                    PreparedAppend* out) const {
@@ -177,11 +189,11 @@ absl::Status Engine::CheckSpan(const Sequence& seq, PreparedStep& step) const {
   }
   // Both backends hold a raw score per (row, visible block) while selecting.
   const int64_t scores = n * step.num_heads * kernels::VisibleBlocks(p0 + n - 1);
-  if (scores > kMaxSpanScores) {
+  if (scores > config_.max_select_scores) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the query span of ", n, " tokens x ", step.num_heads, " heads over ",
         kernels::VisibleBlocks(p0 + n - 1), " blocks needs ", scores, " block scores; the limit is ",
-        kMaxSpanScores, ": split the span into smaller chunks"));
+        config_.max_select_scores, ": split the span into smaller chunks"));
   }
   step.start_pos = p0;
   return absl::OkStatus();
@@ -301,7 +313,9 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
       }
       if (s->seq == nullptr) {
         results[s->index] =
-            absl::NotFoundError(absl::StrCat("sequence '", s->sequence_id, "' does not exist"));
+            s->has_append
+                ? SequenceLimitError(s->sequence_id, config_.max_sequences)
+                : absl::NotFoundError(absl::StrCat("sequence '", s->sequence_id, "' does not exist"));
         continue;
       }
       live.push_back(s);
@@ -309,6 +323,8 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
     std::sort(live.begin(), live.end(),
               [](PreparedStep* a, PreparedStep* b) { return a->seq.get() < b->seq.get(); });
     for (PreparedStep* s : live) locks.emplace_back(s->seq->mu);
+    const int64_t now = SteadyNowNs();
+    for (PreparedStep* s : live) s->seq->last_used_ns = now;
     bool stale = false;
     for (PreparedStep* s : live) stale = stale || s->seq->released;
     if (!stale || attempt == 2) break;
@@ -388,31 +404,46 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
       results[s->index] = std::move(r);
     }
   }
-  if (tasks.empty()) return;
-  const absl::Status status = backend_->Select(tasks, config_.page_table);
-  if (status.ok()) {
-    for (AppendUndo& u : undo) ReleaseReplaced(u.replaced);
-    return;
-  }
-  // The selection failed: take back the appends of the failed steps so nothing is half-applied.
-  for (size_t i = 0; i < selecting.size(); ++i) {
-    PreparedStep* s = selecting[i];
-    Sequence& seq = *s->seq;
-    const AppendUndo& u = undo[i];
-    for (const auto& [block, original] : u.replaced) {
-      pool_.Release(std::span<const int32_t>(&seq.pages[block], 1));  // the copy
-      seq.pages[block] = original;  // its reference was kept
+  // One backend call per group of tasks that need at most max_select_scores raw block scores
+  // together (one span may need them all): a call's scratch memory stays bounded however many
+  // long spans a Batch carries. Decode-sized waves are one call.
+  for (size_t begin = 0; begin < tasks.size();) {
+    size_t end = begin + 1;
+    int64_t scores = SpanScores(tasks[begin].span);
+    while (end < tasks.size() && scores + SpanScores(tasks[end].span) <= config_.max_select_scores) {
+      scores += SpanScores(tasks[end++].span);
     }
-    if (seq.pages.size() > u.pages) {
-      pool_.Release(std::span<const int32_t>(seq.pages.data() + u.pages, seq.pages.size() - u.pages));
-      seq.pages.resize(u.pages);
+    const absl::Time select_start = absl::Now();
+    const absl::Status status = backend_->Select(
+        std::span<const SelectTask>(tasks).subspan(begin, end - begin), config_.page_table);
+    if (observer_ != nullptr) {
+      observer_->OnBackendSelect(static_cast<int64_t>(end - begin), absl::Now() - select_start);
     }
-    seq.lengths = u.lengths;
-    seq.attn_pages.resize(u.attn_pages);
-    seq.attn_decided = u.attn_decided;
-    if (!u.attn_decided) seq.has_attn_pages = false;
-    if (s->created && seq.Empty() && sequences_.EraseIfSame(s->seq)) seq.released = true;
-    results[s->index] = status;
+    for (size_t i = begin; i < end; ++i) {
+      if (status.ok()) {
+        ReleaseReplaced(undo[i].replaced);
+        continue;
+      }
+      // The selection failed: take back the step's append so nothing is half-applied.
+      PreparedStep* s = selecting[i];
+      Sequence& seq = *s->seq;
+      const AppendUndo& u = undo[i];
+      for (const auto& [block, original] : u.replaced) {
+        pool_.Release(std::span<const int32_t>(&seq.pages[block], 1));  // the copy
+        seq.pages[block] = original;  // its reference was kept
+      }
+      if (seq.pages.size() > u.pages) {
+        pool_.Release(std::span<const int32_t>(seq.pages.data() + u.pages, seq.pages.size() - u.pages));
+        seq.pages.resize(u.pages);
+      }
+      seq.lengths = u.lengths;
+      seq.attn_pages.resize(u.attn_pages);
+      seq.attn_decided = u.attn_decided;
+      if (!u.attn_decided) seq.has_attn_pages = false;
+      if (s->created && seq.Empty() && sequences_.EraseIfSame(s->seq)) seq.released = true;
+      results[s->index] = status;
+    }
+    begin = end;
   }
 }
 
@@ -499,6 +530,7 @@ absl::StatusOr<TruncateResult> Engine::Truncate(absl::string_view sequence_id, i
   if (seq != nullptr) {
     std::lock_guard<std::mutex> lock(seq->mu);
     if (!seq->released) {
+      seq->last_used_ns = SteadyNowNs();
       for (int64_t& len : seq->lengths) len = std::min(len, length);
       const size_t keep = static_cast<size_t>(BlocksFor(seq->MaxLength()));
       TruncateResult r;
@@ -536,6 +568,7 @@ absl::StatusOr<ForkResult> Engine::Fork(absl::string_view source_id, absl::strin
                                          config_.layers);
   {
     std::lock_guard<std::mutex> lock(src->mu);
+    src->last_used_ns = SteadyNowNs();
     if (src->released) {
       return absl::NotFoundError(absl::StrCat("sequence '", source_id, "' does not exist"));
     }
@@ -552,8 +585,12 @@ absl::StatusOr<ForkResult> Engine::Fork(absl::string_view source_id, absl::strin
     // References are taken under the source's lock, so its pages cannot be freed meanwhile.
     pool_.AddRef(fork->pages);
   }
-  if (!sequences_.Insert(fork)) {
+  const SequenceTable::InsertResult inserted = sequences_.Insert(fork);
+  if (inserted != SequenceTable::InsertResult::kInserted) {
     pool_.Release(fork->pages);
+    if (inserted == SequenceTable::InsertResult::kFull) {
+      return SequenceLimitError(target_id, config_.max_sequences);
+    }
     return absl::AlreadyExistsError(absl::StrCat("sequence '", target_id, "' already exists"));
   }
   ForkResult r;
@@ -580,6 +617,23 @@ absl::StatusOr<SequenceInfo> Engine::Get(absl::string_view sequence_id,
     }
   }
   return absl::NotFoundError(absl::StrCat("sequence '", sequence_id, "' does not exist"));
+}
+
+int64_t Engine::ReclaimIdle(absl::Duration idle) {
+  CallGate::Pass pass(gate_);
+  const int64_t now = SteadyNowNs();
+  const int64_t limit = absl::ToInt64Nanoseconds(idle);
+  int64_t reclaimed = 0;
+  for (const std::shared_ptr<Sequence>& seq : sequences_.All()) {
+    std::lock_guard<std::mutex> lock(seq->mu);
+    if (seq->released || now - seq->last_used_ns < limit) continue;
+    if (!sequences_.EraseIfSame(seq)) continue;
+    seq->released = true;
+    pool_.Release(seq->pages);
+    seq->pages.clear();
+    ++reclaimed;
+  }
+  return reclaimed;
 }
 
 EngineStats Engine::Stats() const {

@@ -119,6 +119,15 @@ struct CallControl {
   absl::Status Check() const;
 };
 
+// Watches the engine's backend calls, for metrics. Called from request threads: must be
+// thread-safe and quick.
+class EngineObserver {
+ public:
+  virtual ~EngineObserver() = default;
+  // One KeyCacheBackend::Select call: how many span selections it ran and how long it took.
+  virtual void OnBackendSelect(int64_t tasks, absl::Duration took) = 0;
+};
+
 class Engine {
  public:
   // `config` must have passed Validate(). The backend must have been built for `config`.
@@ -148,6 +157,14 @@ class Engine {
                                   absl::string_view tenant = kDefaultTenant);
   absl::StatusOr<SequenceInfo> Get(absl::string_view sequence_id,
                                    absl::string_view tenant = kDefaultTenant) const;
+
+  // Releases every sequence no call has named for at least `idle` (the idle-sequence TTL, for
+  // schedulers that died without releasing); returns how many.
+  int64_t ReclaimIdle(absl::Duration idle);
+
+  // `observer` (may be null) sees every backend selection from now on; it must outlive the
+  // engine. Call before serving.
+  void SetObserver(EngineObserver* observer) { observer_ = observer; }
 
   EngineStats Stats() const;
   TenantUsage Usage(absl::string_view tenant) const;
@@ -191,6 +208,7 @@ class Engine {
 
   const EngineConfig config_;
   std::unique_ptr<KeyCacheBackend> backend_;
+  EngineObserver* observer_ = nullptr;
   PagePool pool_;
   SequenceTable sequences_;
   // Every call holds a pass; snapshots pause it. Mutable: Get() is const but must wait too.

@@ -30,16 +30,24 @@ std::shared_ptr<Sequence> SequenceTable::FindOrCreate(absl::string_view tenant,
                                                       bool* created) {
   std::string key = Key(tenant, id);
   std::lock_guard<std::mutex> lock(mu_);
+  if (max_size_ > 0 && static_cast<int64_t>(map_.size()) >= max_size_) {
+    auto it = map_.find(key);
+    *created = false;
+    return it == map_.end() ? nullptr : it->second;
+  }
   auto [it, inserted] = map_.try_emplace(std::move(key), nullptr);
   if (inserted) it->second = std::make_shared<Sequence>(std::string(tenant), std::string(id), layers);
   *created = inserted;
   return it->second;
 }
 
-bool SequenceTable::Insert(std::shared_ptr<Sequence> seq) {
+SequenceTable::InsertResult SequenceTable::Insert(std::shared_ptr<Sequence> seq) {
   std::string key = Key(seq->tenant, seq->id);
   std::lock_guard<std::mutex> lock(mu_);
-  return map_.try_emplace(std::move(key), std::move(seq)).second;
+  if (map_.contains(key)) return InsertResult::kTaken;
+  if (max_size_ > 0 && static_cast<int64_t>(map_.size()) >= max_size_) return InsertResult::kFull;
+  map_.emplace(std::move(key), std::move(seq));
+  return InsertResult::kInserted;
 }
 
 std::shared_ptr<Sequence> SequenceTable::Erase(absl::string_view tenant, absl::string_view id) {

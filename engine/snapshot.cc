@@ -300,6 +300,13 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
                            config_.BytesPerPage());
       }));
 
+  if (config_.max_sequences > 0 &&
+      static_cast<int64_t>(plan.sequences.size()) > config_.max_sequences) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "snapshot file ", path, " holds ", plan.sequences.size(),
+        " sequences; this server's max_sequences is ", config_.max_sequences));
+  }
+
   // Pass 2: take the pages (charged to their tenants), load them, and make sure the file still
   // says what pass 1 read. Sequences appear only after that, so a failure leaves nothing behind.
   const uint64_t num_pages = plan.header.num_pages;

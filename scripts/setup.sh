@@ -14,6 +14,7 @@ packages=(
   openssl  # makes the test certificates of the TLS tests (tests/security/make_test_certs.sh)
   chromium  # headless, renders indexer-bench's HTML report in its test (bench_report_render_test)
   nginx python3-yaml  # the deployment tests: sticky routing through nginx, manifests parsed
+  clang libclang-rt-dev  # sanitizer and libFuzzer builds (scripts/sanitize.sh, scripts/fuzz.sh)
 )
 
 missing=()

@@ -10,7 +10,9 @@
 #include <utility>
 
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "server/access_control.h"
+#include "server/metrics.h"
 #include "server/request_executor.h"
 #include "server/status_convert.h"
 
@@ -36,18 +38,32 @@ inline absl::StatusOr<Caller> CallerOf(const AccessControl& access,
 
 // Authenticates the call, then runs `handler(const Caller&) -> grpc::Status` on `executor` and
 // finishes the call with its status. An unauthenticated call finishes at once, running nothing.
+// With `metrics`, every call is counted under `rpc` (a string literal) with its status, latency
+// and time queued.
 template <typename Handler>
 grpc::ServerUnaryReactor* RunAuthenticated(grpc::CallbackServerContext* ctx,
                                            const AccessControl& access, RequestExecutor& executor,
-                                           absl::string_view rpc, Handler handler) {
+                                           absl::string_view rpc, Handler handler,
+                                           ServiceMetrics* metrics = nullptr) {
+  const absl::Time arrived = absl::Now();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   absl::StatusOr<Caller> caller = CallerOf(access, *ctx, rpc);
   if (!caller.ok()) {
-    reactor->Finish(ToGrpcStatus(caller.status()));
+    const grpc::Status status = ToGrpcStatus(caller.status());
+    if (metrics != nullptr) {
+      metrics->RecordRequest(rpc, status.error_code(), absl::Now() - arrived, absl::ZeroDuration());
+    }
+    reactor->Finish(status);
     return reactor;
   }
-  executor.Submit([reactor, caller = *std::move(caller), handler = std::move(handler)]() mutable {
-    reactor->Finish(handler(caller));
+  executor.Submit([reactor, rpc, arrived, metrics, caller = *std::move(caller),
+                   handler = std::move(handler)]() mutable {
+    const absl::Time started = absl::Now();
+    const grpc::Status status = handler(caller);
+    if (metrics != nullptr) {
+      metrics->RecordRequest(rpc, status.error_code(), absl::Now() - arrived, started - arrived);
+    }
+    reactor->Finish(status);
   });
   return reactor;
 }

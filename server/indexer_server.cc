@@ -109,8 +109,16 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const Server
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   s->executor_ = std::make_unique<RequestExecutor>(
       options.handler_threads > 0 ? options.handler_threads : std::max(4, 2 * hw));
+  s->metrics_ = std::make_unique<ServiceMetrics>(s->engine_.get(), s->engine_->backend().name());
+  s->engine_->SetObserver(s->metrics_.get());
+  if (!options.metrics_listen.empty()) {
+    if (absl::Status m = s->metrics_->Serve(options.metrics_listen); !m.ok()) {
+      s->executor_->Stop();
+      return absl::Status(m.code(), absl::StrCat("--metrics_listen: ", m.message()));
+    }
+  }
   s->service_ = std::make_unique<IndexerService>(s->engine_.get(), s->executor_.get(),
-                                                 s->access_.get(), Version(),
+                                                 s->access_.get(), s->metrics_.get(), Version(),
                                                  options.max_message_bytes);
   s->admin_service_ = std::make_unique<IndexerAdminService>(
       s->engine_.get(), s->executor_.get(), s->access_.get(), options.snapshot_dir);
@@ -137,12 +145,42 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const Server
   }
   s->server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   s->server_->GetHealthCheckService()->SetServingStatus(true);
+  if (options.idle_ttl > absl::ZeroDuration()) s->StartReaper(options.idle_ttl);
   return s;
+}
+
+void IndexerServer::StartReaper(absl::Duration ttl) {
+  // Looks a few times per TTL (at most every 10 s), so a sequence lives at most about 1.25 TTL
+  // past its last use.
+  const absl::Duration period = std::min(ttl / 4, absl::Seconds(10));
+  reaper_ = std::thread([this, ttl, period] {
+    std::unique_lock<std::mutex> lock(reaper_mu_);
+    while (!reaper_cv_.wait_for(lock, absl::ToChronoNanoseconds(period), [this] { return reaper_stop_; })) {
+      lock.unlock();
+      const int64_t reclaimed = engine_->ReclaimIdle(ttl);
+      if (reclaimed > 0) {
+        metrics_->RecordReclaimed(reclaimed);
+        spdlog::info("idle TTL {}: released {} sequences no call had named", absl::FormatDuration(ttl),
+                     reclaimed);
+      }
+      lock.lock();
+    }
+  });
+}
+
+void IndexerServer::StopReaper() {
+  {
+    std::lock_guard<std::mutex> lock(reaper_mu_);
+    reaper_stop_ = true;
+  }
+  reaper_cv_.notify_all();
+  if (reaper_.joinable()) reaper_.join();
 }
 
 void IndexerServer::Shutdown(absl::Duration drain, absl::Duration not_serving_grace) {
   if (stopped_ || server_ == nullptr) return;
   stopped_ = true;
+  StopReaper();
   server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
   server_->GetHealthCheckService()->SetServingStatus(false);
   // Health checks answer NOT_SERVING for a moment before the listener closes, so that load

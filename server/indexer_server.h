@@ -7,7 +7,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -15,6 +18,7 @@
 #include "server/access_control.h"
 #include "server/admin_service.h"
 #include "server/indexer_service.h"
+#include "server/metrics.h"
 #include "server/request_executor.h"
 #include "server/server_options.h"
 
@@ -33,6 +37,8 @@ class IndexerServer {
   // The bound TCP port (useful with a listen address ending in :0).
   int port() const { return port_; }
   engine::Engine& engine() { return *engine_; }
+  // The Prometheus port (0 when --metrics_listen is empty).
+  int metrics_port() const { return metrics_->port(); }
 
   // Graceful stop: health checks answer NOT_SERVING for `not_serving_grace`, then new calls are
   // refused, in-flight calls get up to `drain` to finish (then are cancelled), and the handler
@@ -41,8 +47,12 @@ class IndexerServer {
 
  private:
   IndexerServer() = default;
+  // The idle-sequence TTL: a thread that releases sequences no call has named for `ttl`.
+  void StartReaper(absl::Duration ttl);
+  void StopReaper();
 
   std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<ServiceMetrics> metrics_;
   std::unique_ptr<RequestExecutor> executor_;
   std::unique_ptr<AccessControl> access_;
   std::unique_ptr<IndexerService> service_;
@@ -50,6 +60,10 @@ class IndexerServer {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   bool stopped_ = false;
+  std::thread reaper_;
+  std::mutex reaper_mu_;
+  std::condition_variable reaper_cv_;
+  bool reaper_stop_ = false;
 };
 
 // The version string reported by ServerInfo and --version.

@@ -95,7 +95,7 @@ void LogFailure(const char* rpc, const absl::Status& s) {
 template <typename Handler>
 grpc::ServerUnaryReactor* IndexerService::Defer(grpc::CallbackServerContext* ctx,
                                                 absl::string_view rpc, Handler handler) {
-  return RunAuthenticated(ctx, *access_, *executor_, rpc, std::move(handler));
+  return RunAuthenticated(ctx, *access_, *executor_, rpc, std::move(handler), metrics_);
 }
 
 grpc::ServerUnaryReactor* IndexerService::AppendKeys(grpc::CallbackServerContext* ctx,
@@ -131,6 +131,7 @@ void IndexerService::RunBatch(grpc::CallbackServerContext* ctx, const Caller& ca
   std::vector<engine::StepRequest> items;
   items.reserve(req.items_size());
   for (const auto& item : req.items()) items.push_back(ToEngine(item, caller.tenant));
+  if (metrics_ != nullptr) metrics_->RecordBatchItems(req.items_size());
   std::vector<absl::StatusOr<engine::StepResult>> results = engine_->Batch(items, ControlOf(ctx));
   resp->set_request_id(req.request_id());
   resp->mutable_results()->Reserve(static_cast<int>(results.size()));
@@ -183,9 +184,19 @@ class IndexerService::BatchStreamReactor final
       return;
     }
     busy_ = true;
-    service_->executor_->Submit([this] {
+    const absl::Time arrived = absl::Now();
+    service_->executor_->Submit([this, arrived] {
+      const absl::Time started = absl::Now();
       response_.Clear();
       service_->RunBatch(ctx_, caller_, request_, &response_);
+      if (service_->metrics_ != nullptr) {
+        service_->metrics_->RecordRequest("BatchStream", grpc::StatusCode::OK,
+                                          absl::Now() - arrived, started - arrived);
+      }
+      // Under mu_, like every other step of the stream: the answer written here is then seen to
+      // happen before OnWriteDone and the next request's handler (which clears it) by the
+      // reactor's own lock, not only through gRPC's internals.
+      std::lock_guard<std::mutex> lock(mu_);
       StartWrite(&response_);
     });
   }
@@ -316,6 +327,18 @@ grpc::ServerUnaryReactor* IndexerService::GetSequence(grpc::CallbackServerContex
   });
 }
 
+grpc::ServerUnaryReactor* IndexerService::GetStats(grpc::CallbackServerContext* ctx,
+                                                   const v1::GetStatsRequest* /*req*/,
+                                                   v1::GetStatsResponse* resp) {
+  return Defer(ctx, "GetStats", [this, resp](const Caller& /*caller*/) {
+    if (metrics_ == nullptr) {
+      return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this server keeps no metrics");
+    }
+    metrics_->Fill(resp);
+    return grpc::Status::OK;
+  });
+}
+
 grpc::ServerUnaryReactor* IndexerService::ServerInfo(grpc::CallbackServerContext* ctx,
                                                      const v1::ServerInfoRequest* /*req*/,
                                                      v1::ServerInfoResponse* resp) {
@@ -343,6 +366,7 @@ grpc::ServerUnaryReactor* IndexerService::ServerInfo(grpc::CallbackServerContext
     resp->set_live_sequences(s.live_sequences);
     resp->set_max_tokens_per_sequence(static_cast<uint32_t>(c.max_tokens_per_sequence));
     resp->set_max_message_bytes(max_message_bytes_);
+    resp->set_max_sequences(static_cast<uint64_t>(c.max_sequences));
     const engine::TenantUsage usage = engine_->Usage(caller.tenant);
     resp->set_tenant(caller.tenant);
     resp->set_tenant_pages(static_cast<uint64_t>(usage.pages));

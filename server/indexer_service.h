@@ -10,18 +10,21 @@
 #include "engine/engine.h"
 #include "indexer/v1/indexer.grpc.pb.h"
 #include "server/access_control.h"
+#include "server/metrics.h"
 #include "server/request_executor.h"
 
 namespace indexer::server {
 
 class IndexerService final : public indexer::v1::Indexer::CallbackService {
  public:
-  // `engine`, `executor` and `access` must outlive the service and every call it serves.
+  // `engine`, `executor`, `access` and `metrics` must outlive the service and every call it
+  // serves.
   IndexerService(engine::Engine* engine, RequestExecutor* executor, const AccessControl* access,
-                 std::string version, int64_t max_message_bytes)
+                 ServiceMetrics* metrics, std::string version, int64_t max_message_bytes)
       : engine_(engine),
         executor_(executor),
         access_(access),
+        metrics_(metrics),
         version_(std::move(version)),
         max_message_bytes_(max_message_bytes) {}
 
@@ -47,6 +50,9 @@ class IndexerService final : public indexer::v1::Indexer::CallbackService {
   grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx,
                                         const v1::GetSequenceRequest* req,
                                         v1::GetSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
+                                     const v1::GetStatsRequest* req,
+                                     v1::GetStatsResponse* resp) override;
   grpc::ServerUnaryReactor* ServerInfo(grpc::CallbackServerContext* ctx,
                                        const v1::ServerInfoRequest* req,
                                        v1::ServerInfoResponse* resp) override;
@@ -73,6 +79,7 @@ class IndexerService final : public indexer::v1::Indexer::CallbackService {
 
   engine::Engine* engine_;
   RequestExecutor* executor_;
+  ServiceMetrics* metrics_;
   const AccessControl* access_;
   std::string version_;
   int64_t max_message_bytes_;

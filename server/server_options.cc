@@ -30,6 +30,9 @@ ABSL_FLAG(int32_t, block_page_stride, 8, "Attention page id stride per block (16
 ABSL_FLAG(int64_t, max_tokens_per_sequence, int64_t{1} << 20, "Longest sequence, in tokens per layer");
 ABSL_FLAG(int32_t, max_query_tokens, 16384, "Most query tokens in one selection span");
 ABSL_FLAG(int32_t, max_batch_items, 4096, "Most items in one Batch call");
+ABSL_FLAG(int64_t, max_sequences, 65536,
+          "Most sequences held at once, every tenant together (0 = no limit); a call that would "
+          "create one more fails with RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend compute threads (0 = all hardware threads)");
 ABSL_FLAG(int32_t, handler_threads, 0, "Threads running requests (0 = max(4, 2 x hardware threads))");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Largest gRPC message received or sent, in bytes");
@@ -56,16 +59,23 @@ ABSL_FLAG(std::string, restore, "",
           "At start, load this snapshot file (refused, and the server exits 1, if it does not match "
           "this server's head_dim, key_dtype and layers or is corrupt)");
 
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Serve Prometheus metrics (/metrics) on this host:port, e.g. 0.0.0.0:9090 (empty: off; "
+          "the GetStats RPC answers either way)");
+ABSL_FLAG(absl::Duration, idle_ttl, absl::ZeroDuration(),
+          "Release sequences no call has named for this long, e.g. 30m, for schedulers that died "
+          "without releasing them (0: never)");
+
 namespace indexer::server {
 namespace {
 
 const char* const kFlagNames[] = {
     "listen", "device", "head_dim", "layers", "key_dtype", "capacity", "max_index_heads",
     "max_topk", "topk", "init_blocks", "local_blocks", "pages_per_block", "block_page_stride",
-    "max_tokens_per_sequence", "max_query_tokens", "max_batch_items", "cpu_threads",
+    "max_tokens_per_sequence", "max_query_tokens", "max_batch_items", "max_sequences", "cpu_threads",
     "handler_threads", "max_message_bytes", "drain_seconds", "not_serving_seconds", "log_level",
     "tls_cert", "tls_key", "tls_client_ca", "token_file", "tenant_quota", "snapshot_dir",
-    "snapshot_on_shutdown", "restore"};
+    "snapshot_on_shutdown", "restore", "metrics_listen", "idle_ttl"};
 
 }  // namespace
 
@@ -139,6 +149,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   e.max_tokens_per_sequence = absl::GetFlag(FLAGS_max_tokens_per_sequence);
   e.max_query_tokens = absl::GetFlag(FLAGS_max_query_tokens);
   e.max_batch_items = absl::GetFlag(FLAGS_max_batch_items);
+  e.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   e.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   // The page size depends on head_dim, dtype and layers: check those before sizing the pool.
   e.capacity_pages = 1;
@@ -185,6 +196,16 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.snapshot_dir = absl::GetFlag(FLAGS_snapshot_dir);
   o.snapshot_on_shutdown = absl::GetFlag(FLAGS_snapshot_on_shutdown);
   o.restore = absl::GetFlag(FLAGS_restore);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.idle_ttl = absl::GetFlag(FLAGS_idle_ttl);
+  if (o.idle_ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--idle_ttl is ", absl::FormatDuration(o.idle_ttl),
+                                                   "; it must be 0 (off) or positive"));
+  }
+  if (o.idle_ttl > absl::ZeroDuration() && o.idle_ttl < absl::Seconds(1)) {
+    return absl::InvalidArgumentError(absl::StrCat("--idle_ttl is ", absl::FormatDuration(o.idle_ttl),
+                                                   "; it must be 0 (off) or at least 1s"));
+  }
   static const char* const kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   bool level_ok = false;
   for (const char* l : kLevels) level_ok = level_ok || o.log_level == l;
@@ -201,18 +222,20 @@ std::string Summary(const ServerOptions& o) {
       "listen=%s device=%s head_dim=%d layers=%d key_dtype=%s capacity=%d pages (%.2f GiB) "
       "max_index_heads=%d max_topk=%d topk=%d init_blocks=%d local_blocks=%d pages_per_block=%d "
       "block_page_stride=%d max_tokens_per_sequence=%d max_query_tokens=%d max_batch_items=%d "
-      "max_message_bytes=%d tls=%s token_file=%s tenant_quota=%d pages snapshot_dir=%s "
-      "snapshot_on_shutdown=%s restore=%s",
+      "max_sequences=%d max_message_bytes=%d tls=%s token_file=%s tenant_quota=%d pages snapshot_dir=%s "
+      "snapshot_on_shutdown=%s restore=%s metrics_listen=%s idle_ttl=%s",
       o.listen, o.device, e.head_dim, e.layers, engine::KeyStorageName(e.key_storage),
       e.capacity_pages, static_cast<double>(e.capacity_pages * e.BytesPerPage()) / (1 << 30),
       e.max_index_heads, e.max_topk, e.defaults.topk, e.defaults.init_blocks,
       e.defaults.local_blocks, e.page_table.pages_per_block, e.page_table.block_page_stride,
-      e.max_tokens_per_sequence, e.max_query_tokens, e.max_batch_items, o.max_message_bytes,
+      e.max_tokens_per_sequence, e.max_query_tokens, e.max_batch_items, e.max_sequences,
+      o.max_message_bytes,
       o.tls_cert.empty() ? "off" : (o.tls_client_ca.empty() ? "on" : "mutual"),
       o.token_file.empty() ? "none" : o.token_file, o.tenant_quota_pages,
       o.snapshot_dir.empty() ? "none" : o.snapshot_dir,
       o.snapshot_on_shutdown.empty() ? "none" : o.snapshot_on_shutdown,
-      o.restore.empty() ? "none" : o.restore);
+      o.restore.empty() ? "none" : o.restore, o.metrics_listen.empty() ? "off" : o.metrics_listen,
+      o.idle_ttl > absl::ZeroDuration() ? absl::FormatDuration(o.idle_ttl) : "off");
 }
 
 }  // namespace indexer::server

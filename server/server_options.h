@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "engine/config.h"
 
 namespace indexer::server {
@@ -30,6 +31,10 @@ struct ServerOptions {
   std::string snapshot_dir;      // where IndexerAdmin.Snapshot writes
   std::string snapshot_on_shutdown;  // snapshot file written after a graceful shutdown
   std::string restore;           // snapshot file loaded at start
+
+  // Operations. Empty / zero: off.
+  std::string metrics_listen;    // Prometheus /metrics bind address (host:port)
+  absl::Duration idle_ttl = absl::ZeroDuration();  // release sequences unused this long
 };
 
 // Parses a capacity: a page count ("8192") or a size ("2GiB", "512MiB", "1.5GB") converted to

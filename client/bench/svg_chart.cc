@@ -21,7 +21,9 @@ std::string Num(double v) {
   if (v == 0) return "0";
   const double a = std::fabs(v);
   if (a >= 1e6 || a < 1e-3) return absl::StrFormat("%.0e", v);
-  std::string s = absl::StrFormat(a >= 100 ? "%.0f" : (a >= 1 ? "%.2f" : "%.3f"), v);
+  // One literal per call: absl checks format strings at compile time (clang enforces it).
+  std::string s = a >= 100 ? absl::StrFormat("%.0f", v)
+                           : (a >= 1 ? absl::StrFormat("%.2f", v) : absl::StrFormat("%.3f", v));
   if (s.find('.') != std::string::npos) {
     while (!s.empty() && s.back() == '0') s.pop_back();
     if (!s.empty() && s.back() == '.') s.pop_back();

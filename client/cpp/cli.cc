@@ -88,6 +88,8 @@ Usage: indexer-cli [--server=host:port] <command> [flags]
 
 Commands:
   info       Print the server's configuration, capacity and backend (ServerInfo).
+  stats      Print the server's metrics (GetStats): requests by RPC and status, latency,
+             batch sizes, backend time, pages used and free, live and reclaimed sequences.
   health     Check grpc.health.v1 for --service; exit 1 unless SERVING.
   append     Append --tokens random keys to --sequence (creating it): --layer or --all_layers,
              optional --attention_pages.
@@ -275,6 +277,27 @@ const char* KeyStorageName(v1::KeyStorage s) {
     case v1::KEY_STORAGE_FP8_E4M3: return "fp8_e4m3";
     default: return "unspecified";
   }
+}
+
+// Every metric family the server keeps (GetStats), one line per metric.
+int Stats(IndexerClient& client) {
+  absl::StatusOr<v1::GetStatsResponse> stats = client.GetStats(Call());
+  if (!stats.ok()) return RpcError("GetStats", stats.status());
+  for (const v1::MetricFamily& f : stats->families()) {
+    for (const v1::Metric& m : f.metrics()) {
+      std::string labels;
+      std::map<std::string, std::string> sorted(m.labels().begin(), m.labels().end());
+      for (const auto& [k, v] : sorted) absl::StrAppend(&labels, labels.empty() ? "{" : ",", k, "=", v);
+      if (!labels.empty()) labels += "}";
+      if (f.type() == "histogram") {
+        std::printf("%s%s count %llu sum %g\n", f.name().c_str(), labels.c_str(),
+                    static_cast<unsigned long long>(m.count()), m.sum());
+      } else {
+        std::printf("%s%s %g\n", f.name().c_str(), labels.c_str(), m.value());
+      }
+    }
+  }
+  return kOk;
 }
 
 int Info(IndexerClient& client) {
@@ -672,7 +695,7 @@ int main(int argc, char** argv) {
   const std::map<std::string, int (*)(IndexerClient&)> commands = {
       {"info", Info},   {"health", Health},     {"append", Append},   {"select", Select},
       {"get", Get},     {"fork", Fork},         {"truncate", Truncate}, {"release", Release},
-      {"snapshot", Snapshot},
+      {"snapshot", Snapshot}, {"stats", Stats},
       {"demo", [](IndexerClient& c) { return Demo(c).Run(); }}};
   const auto command = commands.find(cl->command);
   if (command == commands.end()) return UsageError(absl::StrCat("unknown command '", cl->command, "'"));

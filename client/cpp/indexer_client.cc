@@ -238,6 +238,10 @@ const std::string& RoutingKey(const v1::ServerInfoRequest&) {
   static const std::string kNone;
   return kNone;
 }
+const std::string& RoutingKey(const v1::GetStatsRequest&) {
+  static const std::string kNone;
+  return kNone;
+}
 
 // Metadata values must be printable ASCII; ids that are not cannot be routed by a proxy.
 bool PrintableAscii(const std::string& s) {
@@ -313,6 +317,11 @@ absl::StatusOr<v1::GetSequenceResponse> IndexerClient::GetSequence(absl::string_
 absl::StatusOr<v1::ServerInfoResponse> IndexerClient::ServerInfo(const CallOptions& call) {
   v1::ServerInfoRequest request;
   return Call(&v1::Indexer::Stub::ServerInfo, request, call);
+}
+
+absl::StatusOr<v1::GetStatsResponse> IndexerClient::GetStats(const CallOptions& call) {
+  v1::GetStatsRequest request;
+  return Call(&v1::Indexer::Stub::GetStats, request, call);
 }
 
 absl::StatusOr<v1::SnapshotResponse> IndexerClient::Snapshot(absl::string_view name,

@@ -220,6 +220,8 @@ class IndexerClient {
   absl::StatusOr<v1::GetSequenceResponse> GetSequence(absl::string_view sequence_id,
                                                       const CallOptions& call = {});
   absl::StatusOr<v1::ServerInfoResponse> ServerInfo(const CallOptions& call = {});
+  // The server's metrics (the figures its Prometheus endpoint serves).
+  absl::StatusOr<v1::GetStatsResponse> GetStats(const CallOptions& call = {});
   // IndexerAdmin.Snapshot: writes a snapshot file named `name` ("" = a timestamped name) in the
   // server's snapshot folder. Needs an admin token on servers that check tokens.
   absl::StatusOr<v1::SnapshotResponse> Snapshot(absl::string_view name = "",

@@ -179,6 +179,19 @@ class IndexerClientTest(unittest.TestCase):
                          ("cpu", HEAD_DIM, LAYERS, CAPACITY))
         self.assertEqual((info.block_size, info.default_topk, info.default_local_blocks), (128, 16, 1))
 
+    def test_get_stats_counts_calls(self):
+        before = self.client.get_stats()
+        ok = [v for labels, v in before.get("indexer_requests_total", [])
+              if labels == {"rpc": "ServerInfo", "code": "OK"}]
+        self.client.server_info()
+        after = self.client.get_stats()
+        now = [v for labels, v in after["indexer_requests_total"]
+               if labels == {"rpc": "ServerInfo", "code": "OK"}]
+        self.assertEqual(now[0], (ok[0] if ok else 0) + 1)
+        (_, total), = after["indexer_pages_total"]
+        self.assertEqual(total, CAPACITY)
+        self.assertIn("indexer_backend_select_seconds", after)
+
     def test_append_and_get_sequence(self):
         sid = self.new_sequence("append")
         r = self.client.append_keys(sid, ints(130, HEAD_DIM), layer=0)

@@ -282,6 +282,18 @@ class IndexerClient:
         """Returns ServerInfoResponse: configuration, defaults, capacity and use."""
         return self._call(self._stub.ServerInfo, pb.ServerInfoRequest())
 
+    def get_stats(self) -> dict:
+        """The server's metrics (GetStats): {family name: [(labels dict, value or
+        (count, sum)), ...]}; histograms give (count, sum)."""
+        response = self._call(self._stub.GetStats, pb.GetStatsRequest())
+        out = {}
+        for f in response.families:
+            rows = out.setdefault(f.name, [])
+            for m in f.metrics:
+                value = (m.count, m.sum) if f.type == "histogram" else m.value
+                rows.append((dict(m.labels), value))
+        return out
+
     def snapshot(self, name: str = ""):
         """IndexerAdmin.Snapshot: writes every sequence to a snapshot file `name` ("" = a
         timestamped name) in the server's --snapshot_dir. Needs an admin token when the server

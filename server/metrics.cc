@@ -1,0 +1,202 @@
+#include "server/metrics.h"
+
+#include <prometheus/collectable.h>
+#include <prometheus/metric_family.h>
+
+#include <exception>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace indexer::server {
+namespace {
+
+// Seconds, from 20 µs to about 20 s, doubling.
+prometheus::Histogram::BucketBoundaries SecondsBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (double s = 20e-6; s < 25; s *= 2) b.push_back(s);
+  return b;
+}
+
+// Counts from 1 to 4096, doubling.
+prometheus::Histogram::BucketBoundaries CountBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (double n = 1; n <= 4096; n *= 2) b.push_back(n);
+  return b;
+}
+
+const char* CodeName(grpc::StatusCode code) {
+  static const char* const kNames[] = {
+      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  const int i = static_cast<int>(code);
+  return i >= 0 && i < 17 ? kNames[i] : "UNKNOWN";
+}
+
+prometheus::ClientMetric Value(double v) {
+  prometheus::ClientMetric m;
+  m.gauge.value = v;
+  return m;
+}
+
+}  // namespace
+
+// Pages and sequences, read from the engine whenever the registry is collected.
+class ServiceMetrics::EngineGauges final : public prometheus::Collectable {
+ public:
+  EngineGauges(const engine::Engine* engine, std::string device)
+      : engine_(engine), device_(std::move(device)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    const engine::EngineStats s = engine_->Stats();
+    const auto gauge = [&](const char* name, const char* help, double v, bool per_device) {
+      prometheus::MetricFamily f;
+      f.name = name;
+      f.help = help;
+      f.type = prometheus::MetricType::Gauge;
+      prometheus::ClientMetric m = Value(v);
+      if (per_device) m.label.push_back({"device", device_});
+      f.metric.push_back(std::move(m));
+      return f;
+    };
+    return {
+        gauge("indexer_pages_total", "Pages in the key pool (one 128-token block of every layer).",
+              static_cast<double>(s.total_pages), true),
+        gauge("indexer_pages_free", "Free pages in the key pool.", static_cast<double>(s.free_pages), true),
+        gauge("indexer_pages_used", "Pages holding keys.",
+              static_cast<double>(s.total_pages - s.free_pages), true),
+        gauge("indexer_live_sequences", "Sequences the server holds.",
+              static_cast<double>(s.live_sequences), false),
+    };
+  }
+
+ private:
+  const engine::Engine* engine_;
+  const std::string device_;
+};
+
+ServiceMetrics::ServiceMetrics(const engine::Engine* engine, std::string device)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      gauges_(std::make_shared<EngineGauges>(engine, std::move(device))),
+      requests_(prometheus::BuildCounter()
+                    .Name("indexer_requests_total")
+                    .Help("Calls answered, by RPC and gRPC status code (BatchStream: messages).")
+                    .Register(*registry_)),
+      latency_(prometheus::BuildHistogram()
+                   .Name("indexer_request_seconds")
+                   .Help("Time from a call's arrival to its answer, by RPC.")
+                   .Register(*registry_)),
+      queued_(prometheus::BuildHistogram()
+                  .Name("indexer_queue_seconds")
+                  .Help("Time calls waited for a handler thread.")
+                  .Register(*registry_)
+                  .Add({}, SecondsBuckets())),
+      batch_items_(prometheus::BuildHistogram()
+                       .Name("indexer_batch_items")
+                       .Help("Items per Batch call or BatchStream message.")
+                       .Register(*registry_)
+                       .Add({}, CountBuckets())),
+      select_spans_(prometheus::BuildHistogram()
+                        .Name("indexer_select_spans")
+                        .Help("Span selections per backend launch (the batch size the kernels see).")
+                        .Register(*registry_)
+                        .Add({}, CountBuckets())),
+      select_seconds_(prometheus::BuildHistogram()
+                          .Name("indexer_backend_select_seconds")
+                          .Help("Time of one backend selection: on the GPU the kernels with their "
+                                "copies, on the CPU the reference on the thread pool.")
+                          .Register(*registry_)
+                          .Add({}, SecondsBuckets())),
+      reclaimed_(prometheus::BuildCounter()
+                     .Name("indexer_sequences_reclaimed_total")
+                     .Help("Sequences released by the idle TTL (--idle_ttl).")
+                     .Register(*registry_)
+                     .Add({})) {}
+
+ServiceMetrics::~ServiceMetrics() = default;
+
+absl::Status ServiceMetrics::Serve(const std::string& bind_address) {
+  try {
+    auto exposer = std::make_unique<prometheus::Exposer>(bind_address);
+    exposer->RegisterCollectable(registry_);
+    exposer->RegisterCollectable(gauges_);
+    const std::vector<int> ports = exposer->GetListeningPorts();
+    port_ = ports.empty() ? 0 : ports.front();
+    exposer_ = std::move(exposer);
+  } catch (const std::exception& e) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot serve metrics on ", bind_address, ": ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+prometheus::Counter& ServiceMetrics::RequestCounter(absl::string_view rpc, grpc::StatusCode code) {
+  const std::string key = absl::StrCat(rpc, "/", static_cast<int>(code));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto [it, inserted] = request_counters_.try_emplace(key, nullptr);
+  if (inserted) it->second = &requests_.Add({{"rpc", std::string(rpc)}, {"code", CodeName(code)}});
+  return *it->second;
+}
+
+prometheus::Histogram& ServiceMetrics::LatencyHistogram(absl::string_view rpc) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto [it, inserted] = latency_histograms_.try_emplace(std::string(rpc), nullptr);
+  if (inserted) it->second = &latency_.Add({{"rpc", std::string(rpc)}}, SecondsBuckets());
+  return *it->second;
+}
+
+void ServiceMetrics::RecordRequest(absl::string_view rpc, grpc::StatusCode code,
+                                   absl::Duration latency, absl::Duration queued) {
+  RequestCounter(rpc, code).Increment();
+  LatencyHistogram(rpc).Observe(absl::ToDoubleSeconds(latency));
+  queued_.Observe(absl::ToDoubleSeconds(queued));
+}
+
+void ServiceMetrics::RecordBatchItems(int64_t items) { batch_items_.Observe(static_cast<double>(items)); }
+
+void ServiceMetrics::RecordReclaimed(int64_t sequences) {
+  reclaimed_.Increment(static_cast<double>(sequences));
+}
+
+void ServiceMetrics::OnBackendSelect(int64_t tasks, absl::Duration took) {
+  select_spans_.Observe(static_cast<double>(tasks));
+  select_seconds_.Observe(absl::ToDoubleSeconds(took));
+}
+
+void ServiceMetrics::Fill(v1::GetStatsResponse* out) const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (auto& f : gauges_->Collect()) families.push_back(std::move(f));
+  for (const prometheus::MetricFamily& f : families) {
+    v1::MetricFamily* pf = out->add_families();
+    pf->set_name(f.name);
+    pf->set_help(f.help);
+    pf->set_type(f.type == prometheus::MetricType::Counter     ? "counter"
+                 : f.type == prometheus::MetricType::Histogram ? "histogram"
+                                                               : "gauge");
+    for (const prometheus::ClientMetric& m : f.metric) {
+      v1::Metric* pm = pf->add_metrics();
+      for (const auto& l : m.label) (*pm->mutable_labels())[l.name] = l.value;
+      switch (f.type) {
+        case prometheus::MetricType::Counter:
+          pm->set_value(m.counter.value);
+          break;
+        case prometheus::MetricType::Histogram:
+          pm->set_count(m.histogram.sample_count);
+          pm->set_sum(m.histogram.sample_sum);
+          for (const auto& b : m.histogram.bucket) {
+            v1::HistogramBucket* pb = pm->add_buckets();
+            pb->set_upper_bound(b.upper_bound);
+            pb->set_cumulative_count(b.cumulative_count);
+          }
+          break;
+        default:
+          pm->set_value(m.gauge.value);
+          break;
+      }
+    }
+  }
+}
+
+}  // namespace indexer::server

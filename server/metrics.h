@@ -1,0 +1,77 @@
+// ServiceMetrics: what the server counts and measures, served in Prometheus' text format on
+// --metrics_listen (prometheus-cpp) and returned by the GetStats RPC from the same registry.
+//
+// Thread-safe: every method may be called from any thread. Recording is lock-free counters and
+// histograms; gauges (pages, sequences) are read from the engine when collected.
+#pragma once
+
+#include <grpcpp/support/status.h>
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "engine/engine.h"
+#include "indexer/v1/indexer.pb.h"
+
+namespace indexer::server {
+
+class ServiceMetrics final : public engine::EngineObserver {
+ public:
+  // `engine` must outlive this object; `device` labels the per-device gauges.
+  ServiceMetrics(const engine::Engine* engine, std::string device);
+  ~ServiceMetrics() override;
+
+  // Serves /metrics on `bind_address` ("host:port"; port 0 picks one). FAILED_PRECONDITION when
+  // the address cannot be bound.
+  absl::Status Serve(const std::string& bind_address);
+  // The bound port, once serving (0 otherwise).
+  int port() const { return port_; }
+
+  // One finished call of `rpc` (a string literal): its status, the time from arrival to answer,
+  // and the part of it spent waiting for a handler thread.
+  void RecordRequest(absl::string_view rpc, grpc::StatusCode code, absl::Duration latency,
+                     absl::Duration queued);
+  // Items in one Batch call or BatchStream message.
+  void RecordBatchItems(int64_t items);
+  // Sequences the idle TTL reclaimed.
+  void RecordReclaimed(int64_t sequences);
+  // engine::EngineObserver: one backend selection (the kernels and their copies on the GPU).
+  void OnBackendSelect(int64_t tasks, absl::Duration took) override;
+
+  // Every metric family, for GetStats.
+  void Fill(v1::GetStatsResponse* out) const;
+
+ private:
+  class EngineGauges;
+
+  prometheus::Counter& RequestCounter(absl::string_view rpc, grpc::StatusCode code);
+  prometheus::Histogram& LatencyHistogram(absl::string_view rpc);
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<EngineGauges> gauges_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& latency_;
+  prometheus::Histogram& queued_;
+  prometheus::Histogram& batch_items_;
+  prometheus::Histogram& select_spans_;
+  prometheus::Histogram& select_seconds_;
+  prometheus::Counter& reclaimed_;
+  // Children are created on first use; the families own them, these maps find them fast.
+  mutable std::mutex mu_;
+  absl::flat_hash_map<std::string, prometheus::Counter*> request_counters_;
+  absl::flat_hash_map<std::string, prometheus::Histogram*> latency_histograms_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+};
+
+}  // namespace indexer::server

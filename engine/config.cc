@@ -66,6 +66,19 @@ absl::Status EngineConfig::Validate() const {
     return OutOfRange("max_select_scores", max_select_scores, 1, int64_t{1} << 31);
   }
   if (cpu_threads < 0 || cpu_threads > 4096) return OutOfRange("cpu_threads", cpu_threads, 0, 4096);
+  // Batching: named as the server's flags name them.
+  if (batching.max_tasks < 1 || batching.max_tasks > (1 << 20)) {
+    return OutOfRange("batch_max_tasks", batching.max_tasks, 1, 1 << 20);
+  }
+  if (batching.max_delay_us < 0 || batching.max_delay_us > 1000000) {
+    return OutOfRange("batch_max_delay_us", batching.max_delay_us, 0, 1000000);
+  }
+  if (batching.queue_bound < 1 || batching.queue_bound > (int64_t{1} << 24)) {
+    return OutOfRange("batch_queue_bound", batching.queue_bound, 1, int64_t{1} << 24);
+  }
+  if (batching.max_inflight < 1 || batching.max_inflight > 16) {
+    return OutOfRange("batch_max_inflight", batching.max_inflight, 1, 16);
+  }
   return absl::OkStatus();
 }
 

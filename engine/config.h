@@ -20,6 +20,16 @@ inline constexpr absl::string_view kDefaultTenant = "";
 // "tenant 'name'", or "the default tenant", for messages.
 std::string TenantLabel(absl::string_view tenant);
 
+// How the SelectBatcher merges the selections of concurrent calls into backend launches
+// (engine/select_batcher.h). The server's flags --batching and --batch_* fill it.
+struct BatcherConfig {
+  bool enabled = true;         // false: every call runs its own backend Select on its own thread
+  int max_tasks = 256;         // span selections one launch gathers before it starts
+  int64_t max_delay_us = 0;    // the longest a queued selection waits for more (0: none)
+  int64_t queue_bound = 8192;  // span selections waiting at once; more are refused
+  int max_inflight = 2;        // backend Select calls running at once, per device
+};
+
 struct EngineConfig {
   int head_dim = 128;                  // 64, 128 or 256
   int layers = 1;                      // caches sharing each sequence's block table
@@ -40,6 +50,7 @@ struct EngineConfig {
   int64_t max_select_scores = int64_t{1} << 28;
   int cpu_threads = 0;                 // CPU backend workers; 0 = hardware concurrency
   int64_t max_response_bytes = 0;      // largest answer of one call (0: no limit)
+  BatcherConfig batching;
 
   // Bytes one page occupies across all layers.
   int64_t BytesPerPage() const {

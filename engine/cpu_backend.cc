@@ -27,14 +27,26 @@ int64_t BlocksPerUnit(int rows, int head_dim) {
 
 }  // namespace
 
-CpuBackend::CpuBackend(const EngineConfig& config)
+CpuBackend::CpuBackend(const EngineConfig& config, const DeviceSlot& slot)
     : config_(config),
-      layer_bytes_(config.capacity_pages * kBlockSize * config.head_dim *
+      slot_(slot),
+      pages_(slot.num_pages > 0 ? slot.num_pages : config.capacity_pages),
+      layer_bytes_(pages_ * kBlockSize * config.head_dim *
                    kernels::KeyStorageBytes(config.key_storage)),
       storage_(new uint8_t[static_cast<size_t>(layer_bytes_) * config.layers]),
       pool_(WorkerCount(config)) {}
 
 std::string CpuBackend::device() const { return absl::StrCat(pool_.size() + 1, " threads"); }
+
+absl::Status CpuBackend::Local(int64_t page, int64_t* local) const {
+  *local = page - slot_.first_page;
+  if (*local < 0 || *local >= pages_) {
+    return absl::InternalError(absl::StrCat("page ", page, " is not on this backend's device ",
+                                            slot_.ordinal, " (pages ", slot_.first_page, " to ",
+                                            slot_.first_page + pages_ - 1, ")"));
+  }
+  return absl::OkStatus();
+}
 
 kernels::KeyPoolView CpuBackend::LayerView(int layer) const {
   return kernels::KeyPoolView{storage_.get() + layer * layer_bytes_, config_.key_storage,
@@ -44,10 +56,19 @@ kernels::KeyPoolView CpuBackend::LayerView(int layer) const {
 absl::Status CpuBackend::WriteKeys(const KeyWrite& w) {
   const int d = config_.head_dim;
   const int elem = kernels::KeyStorageBytes(config_.key_storage);
+  // Every page first, so that a bad id writes nothing.
+  for (int l = 0; l < w.layer_count && w.num_tokens > 0; ++l) {
+    for (int64_t b = w.layer_start[l] / kBlockSize;
+         b <= (w.layer_start[l] + w.num_tokens - 1) / kBlockSize; ++b) {
+      int64_t local = 0;
+      if (absl::Status s = Local(w.block_table[b], &local); !s.ok()) return s;
+    }
+  }
   for (int64_t j = 0; j < w.num_tokens; ++j) {
     for (int l = 0; l < w.layer_count; ++l) {
       const int64_t t = w.layer_start[l] + j;
-      const int64_t slot = int64_t{w.block_table[t / kBlockSize]} * kBlockSize + t % kBlockSize;
+      const int64_t page = int64_t{w.block_table[t / kBlockSize]} - slot_.first_page;
+      const int64_t slot = page * kBlockSize + t % kBlockSize;
       const uint16_t* src = w.keys + (j * w.layer_count + l) * d;
       uint8_t* dst = storage_.get() + (w.layer_begin + l) * layer_bytes_ + slot * d * elem;
       if (config_.key_storage == kernels::KeyStorage::kBf16) {
@@ -60,8 +81,11 @@ absl::Status CpuBackend::WriteKeys(const KeyWrite& w) {
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::CopyPage(int32_t src, int32_t dst) {
-  const int64_t page_bytes = layer_bytes_ / config_.capacity_pages;
+absl::Status CpuBackend::CopyPage(int32_t src_page, int32_t dst_page) {
+  int64_t src = 0, dst = 0;
+  if (absl::Status s = Local(src_page, &src); !s.ok()) return s;
+  if (absl::Status s = Local(dst_page, &dst); !s.ok()) return s;
+  const int64_t page_bytes = layer_bytes_ / pages_;
   for (int l = 0; l < config_.layers; ++l) {
     uint8_t* base = storage_.get() + l * layer_bytes_;
     std::memcpy(base + dst * page_bytes, base + src * page_bytes, page_bytes);
@@ -70,8 +94,10 @@ absl::Status CpuBackend::CopyPage(int32_t src, int32_t dst) {
 }
 
 absl::Status CpuBackend::ReadPages(std::span<const int32_t> pages, uint8_t* dst) {
-  const int64_t page_bytes = layer_bytes_ / config_.capacity_pages;
-  for (int32_t page : pages) {
+  const int64_t page_bytes = layer_bytes_ / pages_;
+  for (int32_t global : pages) {
+    int64_t page = 0;
+    if (absl::Status s = Local(global, &page); !s.ok()) return s;
     for (int l = 0; l < config_.layers; ++l, dst += page_bytes) {
       std::memcpy(dst, storage_.get() + l * layer_bytes_ + page * page_bytes, page_bytes);
     }
@@ -80,8 +106,13 @@ absl::Status CpuBackend::ReadPages(std::span<const int32_t> pages, uint8_t* dst)
 }
 
 absl::Status CpuBackend::WritePages(std::span<const int32_t> pages, const uint8_t* src) {
-  const int64_t page_bytes = layer_bytes_ / config_.capacity_pages;
-  for (int32_t page : pages) {
+  const int64_t page_bytes = layer_bytes_ / pages_;
+  for (int32_t global : pages) {
+    int64_t local = 0;
+    if (absl::Status s = Local(global, &local); !s.ok()) return s;
+  }
+  for (int32_t global : pages) {
+    const int64_t page = global - slot_.first_page;
     for (int l = 0; l < config_.layers; ++l, src += page_bytes) {
       std::memcpy(storage_.get() + l * layer_bytes_ + page * page_bytes, src, page_bytes);
     }
@@ -89,8 +120,25 @@ absl::Status CpuBackend::WritePages(std::span<const int32_t> pages, const uint8_
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::Select(std::span<const SelectTask> tasks,
+absl::Status CpuBackend::Select(std::span<const SelectTask> global_tasks,
                                 const kernels::PageTableParams& page_table) {
+  // The kernels index this backend's pool: give them slot-local block tables.
+  std::vector<SelectTask> local_tasks;
+  std::vector<std::vector<int32_t>> local_tables;
+  local_tasks.reserve(global_tasks.size());
+  local_tables.reserve(global_tasks.size());
+  for (const SelectTask& t : global_tasks) {
+    const int64_t blocks = kernels::VisibleBlocks(t.span.start_pos + t.span.num_tokens - 1);
+    std::vector<int32_t>& table = local_tables.emplace_back(static_cast<size_t>(blocks));
+    for (int64_t b = 0; b < blocks; ++b) {
+      int64_t local = 0;
+      if (absl::Status s = Local(t.span.block_table[b], &local); !s.ok()) return s;
+      table[b] = static_cast<int32_t>(local);
+    }
+    SelectTask& lt = local_tasks.emplace_back(t);
+    lt.span.block_table = table.data();
+  }
+  const std::span<const SelectTask> tasks = local_tasks;
   // Phase 1: raw block scores, split into units of blocks across every task.
   struct Unit {
     size_t task;

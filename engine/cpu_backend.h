@@ -1,5 +1,11 @@
 // CpuBackend: the key cache in host memory and the reference selector run on a thread pool.
-// Serves real traffic on machines without a GPU, and is what `--device cpu` selects.
+// Serves real traffic on machines without a GPU, and is what `--device cpu` selects; with
+// `--cpu_devices N` the server builds N of them, one per simulated device (own pool, own
+// threads), so that multi-device placement runs and is tested without GPUs.
+//
+// Page ids are global, as the engine passes them: the backend holds pages
+// [slot.first_page, slot.first_page + num_pages) and subtracts slot.first_page itself; an id
+// outside the slot is the caller's bug and answers INTERNAL (nothing written).
 //
 // Thread-safe as KeyCacheBackend requires.
 #pragma once
@@ -15,8 +21,9 @@ namespace indexer::engine {
 
 class CpuBackend final : public KeyCacheBackend {
  public:
-  // Reserves (but does not touch) the whole pool: config.capacity_pages pages of every layer.
-  explicit CpuBackend(const EngineConfig& config);
+  // Reserves (but does not touch) the whole pool: slot.num_pages pages (config.capacity_pages
+  // when 0) of every layer. The default slot is device 0 from page 0.
+  explicit CpuBackend(const EngineConfig& config, const DeviceSlot& slot = {});
 
   std::string name() const override { return "cpu"; }
   std::string device() const override;
@@ -29,8 +36,12 @@ class CpuBackend final : public KeyCacheBackend {
 
  private:
   kernels::KeyPoolView LayerView(int layer) const;
+  // The slot-local index of global page `page`, or INTERNAL naming it when outside the slot.
+  absl::Status Local(int64_t page, int64_t* local) const;
 
   EngineConfig config_;
+  DeviceSlot slot_;
+  int64_t pages_;                         // pages this backend holds
   int64_t layer_bytes_;                   // bytes of one layer's pool
   std::unique_ptr<uint8_t[]> storage_;    // [layers][pages][128][head_dim] elements
   ThreadPool pool_;

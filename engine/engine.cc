@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "engine/status_macros.h"
@@ -94,12 +95,80 @@ struct Engine::PreparedStep {
   int64_t start_pos = 0;
 };
 
+namespace {
+
+std::vector<DeviceBackend> OneDevice(const EngineConfig& config,
+                                     std::unique_ptr<KeyCacheBackend> backend) {
+  std::vector<DeviceBackend> devices;
+  devices.push_back(DeviceBackend{DeviceSlot{0, 0, config.capacity_pages}, std::move(backend)});
+  return devices;
+}
+
+}  // namespace
+
 Engine::Engine(const EngineConfig& config, std::unique_ptr<KeyCacheBackend> backend,
                PageQuotas quotas)
+    : Engine(config, OneDevice(config, std::move(backend)), std::move(quotas)) {}
+
+Engine::Engine(const EngineConfig& config, std::vector<DeviceBackend> devices, PageQuotas quotas)
     : config_(config),
-      backend_(std::move(backend)),
-      pool_(config.capacity_pages, std::move(quotas)),
-      sequences_(config.max_sequences) {}
+      pool_(config.capacity_pages, std::move(quotas), static_cast<int>(devices.size())),
+      sequences_(config.max_sequences) {
+  for (DeviceBackend& d : devices) {
+    Device& device = devices_.emplace_back();
+    device.slot = d.slot;
+    device.backend = std::move(d.backend);
+    device.batcher = std::make_unique<SelectBatcher>(*device.backend, config_);
+  }
+}
+
+// Each device's batcher drains and joins before its backend goes (Device's member order).
+Engine::~Engine() = default;
+
+void Engine::SetObserver(EngineObserver* observer) {
+  for (Device& d : devices_) d.batcher->SetObserver(observer);
+}
+
+int Engine::PlaceNew(int64_t blocks, std::vector<int64_t>& free,
+                     std::vector<int64_t>& planned) const {
+  if (devices_.size() == 1) return 0;
+  if (free.empty()) {
+    free = pool_.FreePagesPerDevice();
+    planned.assign(free.size(), 0);
+  }
+  int best = 0;
+  for (int d = 1; d < static_cast<int>(free.size()); ++d) {
+    if (free[d] - planned[d] > free[best] - planned[best]) best = d;
+  }
+  planned[best] += blocks;
+  return best;
+}
+
+absl::Status Engine::ReadPagesAnyDevice(std::span<const int32_t> pages, uint8_t* dst) {
+  const int64_t page_bytes = config_.BytesPerPage();
+  for (size_t begin = 0; begin < pages.size();) {
+    const int device = pool_.DeviceOf(pages[begin]);
+    size_t end = begin + 1;
+    while (end < pages.size() && pool_.DeviceOf(pages[end]) == device) ++end;
+    INDEXER_RETURN_IF_ERROR(devices_[device].backend->ReadPages(
+        pages.subspan(begin, end - begin), dst + static_cast<int64_t>(begin) * page_bytes));
+    begin = end;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::WritePagesAnyDevice(std::span<const int32_t> pages, const uint8_t* src) {
+  const int64_t page_bytes = config_.BytesPerPage();
+  for (size_t begin = 0; begin < pages.size();) {
+    const int device = pool_.DeviceOf(pages[begin]);
+    size_t end = begin + 1;
+    while (end < pages.size() && pool_.DeviceOf(pages[end]) == device) ++end;
+    INDEXER_RETURN_IF_ERROR(devices_[device].backend->WritePages(
+        pages.subspan(begin, end - begin), src + static_cast<int64_t>(begin) * page_bytes));
+    begin = end;
+  }
+  return absl::OkStatus();
+}
 
 absl::Status Engine::PrepareAppend(const AppendRequest& r, absl::string_view step_sequence_id,
                                    PreparedAppend* out) const {
@@ -200,7 +269,8 @@ absl::Status Engine::CheckSpan(const Sequence& seq, PreparedStep& step) const {
 }
 
 absl::Status Engine::ApplyAppend(Sequence& seq, const PreparedAppend& a,
-                                 std::vector<std::pair<int64_t, int32_t>>* replaced) {
+                                 std::vector<std::pair<int64_t, int32_t>>* replaced,
+                                 DeferredWrite* deferred) {
   std::vector<int64_t> lengths = seq.lengths;
   for (int l = a.layer_begin; l < a.layer_begin + a.layer_count; ++l) {
     lengths[l] += a.num_tokens;
@@ -235,8 +305,8 @@ absl::Status Engine::ApplyAppend(Sequence& seq, const PreparedAppend& a,
       }
     }
   }
-  absl::StatusOr<std::vector<int32_t>> fresh_pages =
-      pool_.Allocate(fresh + static_cast<int64_t>(cow_blocks.size()), seq.tenant);
+  absl::StatusOr<std::vector<int32_t>> fresh_pages = pool_.Allocate(
+      fresh + static_cast<int64_t>(cow_blocks.size()), seq.tenant, true, seq.device);
   if (!fresh_pages.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("append to sequence '", seq.id, "': ", fresh_pages.status().message()));
@@ -251,12 +321,12 @@ absl::Status Engine::ApplyAppend(Sequence& seq, const PreparedAppend& a,
   // positions past the sequence's lengths, so a failure leaves the sequence as it was.
   absl::Status status;
   for (size_t i = 0; i < cow_blocks.size() && status.ok(); ++i) {
-    status = backend_->CopyPage(seq.pages[cow_blocks[i]], got[i]);
+    status = BackendOf(seq).CopyPage(seq.pages[cow_blocks[i]], got[i]);
   }
   std::vector<int64_t> starts(seq.lengths.begin() + a.layer_begin,
                               seq.lengths.begin() + a.layer_begin + a.layer_count);
-  if (status.ok()) {
-    status = backend_->WriteKeys(KeyWrite{table.data(), a.num_tokens, a.layer_begin,
+  if (status.ok() && deferred == nullptr) {
+    status = BackendOf(seq).WriteKeys(KeyWrite{table.data(), a.num_tokens, a.layer_begin,
                                           a.layer_count, starts.data(), a.keys.data()});
   }
   if (!status.ok()) {
@@ -265,6 +335,11 @@ absl::Status Engine::ApplyAppend(Sequence& seq, const PreparedAppend& a,
   }
   for (int64_t b : cow_blocks) replaced->emplace_back(b, seq.pages[b]);
   seq.pages = std::move(table);
+  if (deferred != nullptr) {
+    deferred->starts = std::move(starts);
+    deferred->write = KeyWrite{seq.pages.data(), a.num_tokens, a.layer_begin, a.layer_count,
+                               deferred->starts.data(), a.keys.data()};
+  }
   seq.lengths = std::move(lengths);
   if (!seq.attn_decided) {
     seq.attn_decided = true;
@@ -292,23 +367,26 @@ int64_t Engine::AnswerBytes(const PreparedStep& s, bool attn_pages) const {
 }
 
 void Engine::RunWave(std::span<PreparedStep*> wave,
-                     std::vector<absl::StatusOr<StepResult>>& results, int64_t& budget) {
+                     std::vector<absl::StatusOr<StepResult>>& results, int64_t& budget,
+                     const CallControl& control) {
   // Resolve and lock the wave's sequences (distinct by construction) in address order, so that
   // concurrent waves cannot deadlock. A sequence released between lookup and lock is looked up
   // again: an append then creates it anew.
   std::vector<PreparedStep*> pending(wave.begin(), wave.end());
   std::vector<PreparedStep*> live;
   std::vector<std::unique_lock<std::mutex>> locks;
+  std::vector<int64_t> free_per_device, planned;  // for placing new sequences
   for (int attempt = 0;; ++attempt) {
     live.clear();
     for (PreparedStep* s : pending) {
       if (s->seq == nullptr) {
-        if (s->has_append) {
+        s->seq = sequences_.Find(s->tenant, s->sequence_id);
+        if (s->seq == nullptr && s->has_append) {
+          const int device = PlaceNew(BlocksFor(s->append.num_tokens), free_per_device, planned);
           bool created = false;
-          s->seq = sequences_.FindOrCreate(s->tenant, s->sequence_id, config_.layers, &created);
+          s->seq = sequences_.FindOrCreate(s->tenant, s->sequence_id, config_.layers, &created,
+                                           device);
           s->created = s->created || created;
-        } else {
-          s->seq = sequences_.Find(s->tenant, s->sequence_id);
         }
       }
       if (s->seq == nullptr) {
@@ -335,9 +413,35 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
     pending = live;
   }
 
+  // Takes back an applied append (its keys may or may not have been written), so that nothing
+  // of a failed step stays.
+  auto undo_step = [&](PreparedStep* s, const AppendUndo& u, const absl::Status& status) {
+    Sequence& seq = *s->seq;
+    for (const auto& [block, original] : u.replaced) {
+      pool_.Release(std::span<const int32_t>(&seq.pages[block], 1));  // the copy
+      seq.pages[block] = original;  // its reference was kept
+    }
+    if (seq.pages.size() > u.pages) {
+      pool_.Release(std::span<const int32_t>(seq.pages.data() + u.pages, seq.pages.size() - u.pages));
+      seq.pages.resize(u.pages);
+    }
+    seq.lengths = u.lengths;
+    seq.attn_pages.resize(u.attn_pages);
+    seq.attn_decided = u.attn_decided;
+    if (!u.attn_decided) seq.has_attn_pages = false;
+    if (s->created && seq.Empty() && sequences_.EraseIfSame(s->seq)) seq.released = true;
+    results[s->index] = status;
+  };
+
   std::vector<SelectTask> tasks;
   std::vector<PreparedStep*> selecting;
   std::vector<AppendUndo> undo;
+  // Appends without a selection, and every append's key write, settled after the loop.
+  std::vector<PreparedStep*> appending;
+  std::vector<AppendUndo> append_undo;
+  std::vector<DeferredWrite> writes;
+  std::vector<PreparedStep*> writers;
+  writes.reserve(live.size());
   for (PreparedStep* s : live) {
     Sequence& seq = *s->seq;
     absl::Status status;
@@ -358,7 +462,14 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
       }
     }
     AppendUndo before{seq.lengths, seq.pages.size(), seq.attn_pages.size(), seq.attn_decided, {}};
-    if (status.ok() && s->has_append) status = ApplyAppend(seq, s->append, &before.replaced);
+    if (status.ok() && s->has_append) {
+      DeferredWrite w;
+      status = ApplyAppend(seq, s->append, &before.replaced, &w);
+      if (status.ok()) {
+        writes.push_back(std::move(w));
+        writers.push_back(s);
+      }
+    }
     if (!status.ok()) {
       results[s->index] = status;
       if (s->created && !seq.released && seq.Empty() && sequences_.EraseIfSame(s->seq)) {
@@ -400,50 +511,112 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
       selecting.push_back(s);
       undo.push_back(std::move(before));
     } else {
-      ReleaseReplaced(before.replaced);
       results[s->index] = std::move(r);
+      appending.push_back(s);
+      append_undo.push_back(std::move(before));
     }
   }
-  // One backend call per group of tasks that need at most max_select_scores raw block scores
-  // together (one span may need them all): a call's scratch memory stays bounded however many
-  // long spans a Batch carries. Decode-sized waves are one call.
+  // The wave's key writes: one backend call per device. A device whose writes fail fails every
+  // step that wrote to it, and those steps are taken back.
+  absl::flat_hash_map<PreparedStep*, absl::Status> write_failed;
+  if (!writes.empty()) {
+    std::vector<KeyWrite> batch;
+    for (size_t d = 0; d < devices_.size(); ++d) {
+      batch.clear();
+      for (size_t i = 0; i < writes.size(); ++i) {
+        if (static_cast<size_t>(writers[i]->seq->device) == d) batch.push_back(writes[i].write);
+      }
+      if (batch.empty()) continue;
+      const absl::Status status = devices_[d].backend->WriteKeysBatch(batch);
+      if (status.ok()) continue;
+      for (PreparedStep* w : writers) {
+        if (static_cast<size_t>(w->seq->device) == d) write_failed.emplace(w, status);
+      }
+    }
+  }
+  for (size_t i = 0; i < appending.size(); ++i) {
+    const auto failed = write_failed.find(appending[i]);
+    if (failed == write_failed.end()) {
+      ReleaseReplaced(append_undo[i].replaced);
+    } else {
+      undo_step(appending[i], append_undo[i], failed->second);
+    }
+  }
+  if (!write_failed.empty()) {
+    size_t kept = 0;
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const auto failed = write_failed.find(selecting[i]);
+      if (failed != write_failed.end()) {
+        undo_step(selecting[i], undo[i], failed->second);
+        continue;
+      }
+      tasks[kept] = tasks[i];
+      selecting[kept] = selecting[i];
+      if (kept != i) undo[kept] = std::move(undo[i]);
+      ++kept;
+    }
+    tasks.resize(kept);
+    selecting.resize(kept);
+    undo.resize(kept);
+  }
+  // Per device, one group per chunk of tasks that need at most max_select_scores raw block
+  // scores together (one span may need them all): a launch's scratch memory stays bounded
+  // however many long spans a Batch carries. Decode-sized waves are one group per device. Every
+  // group is submitted before any is waited on, so devices select in parallel; the batchers may
+  // merge the groups with other calls' into one launch. The sequences stay locked until answered.
+  if (devices_.size() > 1) {
+    std::vector<size_t> order(tasks.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return selecting[a]->seq->device < selecting[b]->seq->device;
+    });
+    std::vector<SelectTask> sorted_tasks;
+    std::vector<PreparedStep*> sorted_selecting;
+    std::vector<AppendUndo> sorted_undo;
+    for (size_t i : order) {
+      sorted_tasks.push_back(tasks[i]);
+      sorted_selecting.push_back(selecting[i]);
+      sorted_undo.push_back(std::move(undo[i]));
+    }
+    tasks = std::move(sorted_tasks);
+    selecting = std::move(sorted_selecting);
+    undo = std::move(sorted_undo);
+  }
+  struct Chunk {
+    size_t begin, end;
+    SelectTicket ticket;
+  };
+  std::vector<Chunk> chunks;
   for (size_t begin = 0; begin < tasks.size();) {
+    const int device = selecting[begin]->seq->device;
     size_t end = begin + 1;
     int64_t scores = SpanScores(tasks[begin].span);
-    while (end < tasks.size() && scores + SpanScores(tasks[end].span) <= config_.max_select_scores) {
+    while (end < tasks.size() && selecting[end]->seq->device == device &&
+           scores + SpanScores(tasks[end].span) <= config_.max_select_scores) {
       scores += SpanScores(tasks[end++].span);
     }
-    const absl::Time select_start = absl::Now();
-    const absl::Status status = backend_->Select(
-        std::span<const SelectTask>(tasks).subspan(begin, end - begin), config_.page_table);
-    if (observer_ != nullptr) {
-      observer_->OnBackendSelect(static_cast<int64_t>(end - begin), absl::Now() - select_start);
-    }
-    for (size_t i = begin; i < end; ++i) {
+    chunks.push_back(Chunk{begin, end, {}});
+    begin = end;
+  }
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    Chunk& c = chunks[i];
+    SelectBatcher& batcher = *devices_[selecting[c.begin]->seq->device].batcher;
+    // Only the last group may run on this thread (the batcher's fast path): the others are
+    // queued first, so that they run meanwhile.
+    c.ticket = batcher.Submit(std::span<const SelectTask>(tasks).subspan(c.begin, c.end - c.begin),
+                              control, /*may_run_here=*/i + 1 == chunks.size());
+  }
+  for (Chunk& c : chunks) {
+    const absl::Status status = c.ticket.Wait();
+    for (size_t i = c.begin; i < c.end; ++i) {
       if (status.ok()) {
         ReleaseReplaced(undo[i].replaced);
         continue;
       }
-      // The selection failed: take back the step's append so nothing is half-applied.
-      PreparedStep* s = selecting[i];
-      Sequence& seq = *s->seq;
-      const AppendUndo& u = undo[i];
-      for (const auto& [block, original] : u.replaced) {
-        pool_.Release(std::span<const int32_t>(&seq.pages[block], 1));  // the copy
-        seq.pages[block] = original;  // its reference was kept
-      }
-      if (seq.pages.size() > u.pages) {
-        pool_.Release(std::span<const int32_t>(seq.pages.data() + u.pages, seq.pages.size() - u.pages));
-        seq.pages.resize(u.pages);
-      }
-      seq.lengths = u.lengths;
-      seq.attn_pages.resize(u.attn_pages);
-      seq.attn_decided = u.attn_decided;
-      if (!u.attn_decided) seq.has_attn_pages = false;
-      if (s->created && seq.Empty() && sequences_.EraseIfSame(s->seq)) seq.released = true;
-      results[s->index] = status;
+      // The selection failed (or was refused or dropped): take back the step's append so
+      // nothing is half-applied.
+      undo_step(selecting[i], undo[i], status);
     }
-    begin = end;
   }
 }
 
@@ -484,7 +657,7 @@ std::vector<absl::StatusOr<StepResult>> Engine::Batch(std::span<const StepReques
       for (size_t i = begin; i < ready.size(); ++i) results[ready[i]->index] = status;
       break;
     }
-    RunWave(std::span<PreparedStep*>(ready.data() + begin, end - begin), results, budget);
+    RunWave(std::span<PreparedStep*>(ready.data() + begin, end - begin), results, budget, control);
     begin = end;
   }
   return results;
@@ -564,8 +737,9 @@ absl::StatusOr<ForkResult> Engine::Fork(absl::string_view source_id, absl::strin
   if (src == nullptr) {
     return absl::NotFoundError(absl::StrCat("sequence '", source_id, "' does not exist"));
   }
+  // A fork shares its source's pages, so it lives on its source's device.
   auto fork = std::make_shared<Sequence>(std::string(tenant), std::string(target_id),
-                                         config_.layers);
+                                         config_.layers, src->device);
   {
     std::lock_guard<std::mutex> lock(src->mu);
     src->last_used_ns = SteadyNowNs();
@@ -609,6 +783,7 @@ absl::StatusOr<SequenceInfo> Engine::Get(absl::string_view sequence_id,
     std::lock_guard<std::mutex> lock(seq->mu);
     if (!seq->released) {
       SequenceInfo info;
+      info.device = seq->device;
       info.lengths = seq->lengths;
       info.pages = seq->pages;
       info.attention_pages = seq->attn_pages;
@@ -637,8 +812,20 @@ int64_t Engine::ReclaimIdle(absl::Duration idle) {
 }
 
 EngineStats Engine::Stats() const {
-  return EngineStats{pool_.total_pages(), pool_.free_pages(),
-                     static_cast<int64_t>(sequences_.size())};
+  EngineStats s;
+  s.live_sequences = static_cast<int64_t>(sequences_.size());
+  const std::vector<int64_t> free = pool_.FreePagesPerDevice();
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    DeviceStats& ds = s.devices.emplace_back();
+    ds.slot = devices_[d].slot;
+    ds.total_pages = pool_.pages_per_device();
+    ds.free_pages = free[d];
+    ds.queued_selects = devices_[d].batcher->queued_tasks();
+    s.total_pages += ds.total_pages;
+    s.free_pages += ds.free_pages;
+    s.queued_selects += ds.queued_selects;
+  }
+  return s;
 }
 
 TenantUsage Engine::Usage(absl::string_view tenant) const {

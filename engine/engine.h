@@ -7,6 +7,13 @@
 // and the limit: INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, RESOURCE_EXHAUSTED,
 // FAILED_PRECONDITION, DEADLINE_EXCEEDED, CANCELLED, or INTERNAL from the backend.
 //
+// Devices: an engine drives one or more devices (a KeyCacheBackend and a SelectBatcher each);
+// device d owns page ids [d * capacity_pages, (d + 1) * capacity_pages), so capacity_pages is
+// per device. A sequence is placed on a device when it is created -- the one with the most free
+// pages, ties to the lower index -- and stays there: its pages all lie on that device, forks go
+// to their source's device, and a full device refuses appends (RESOURCE_EXHAUSTED) only to the
+// sequences placed on it. A Batch spanning devices selects on all of them in parallel.
+//
 // Tenants: every request names its tenant (kDefaultTenant unless the caller authenticates as
 // another). Sequence ids are scoped to the tenant, so a request reaches only its own tenant's
 // sequences; another tenant's id answers exactly as an id that does not exist. New pages are
@@ -19,16 +26,19 @@
 #include <optional>
 #include <span>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "engine/call_control.h"
 #include "engine/call_gate.h"
 #include "engine/config.h"
+#include "engine/engine_observer.h"
 #include "engine/key_cache_backend.h"
 #include "engine/page_pool.h"
+#include "engine/select_batcher.h"
 #include "engine/sequence_table.h"
 #include "engine/wire_values.h"
 
@@ -75,6 +85,7 @@ struct StepResult {
 };
 
 struct SequenceInfo {
+  int device = 0;  // index of the device holding its pages
   std::vector<int64_t> lengths;
   std::vector<int32_t> pages;
   std::vector<int32_t> attention_pages;
@@ -93,10 +104,21 @@ struct ForkResult {
   int64_t pages_shared = 0;
 };
 
+// One device's share of EngineStats.
+struct DeviceStats {
+  DeviceSlot slot;
+  int64_t total_pages = 0;
+  int64_t free_pages = 0;
+  int64_t queued_selects = 0;
+};
+
+// Every device together, and per device (in device order).
 struct EngineStats {
   int64_t total_pages = 0;
   int64_t free_pages = 0;
   int64_t live_sequences = 0;
+  int64_t queued_selects = 0;  // span selections waiting in the select queues for a launch
+  std::vector<DeviceStats> devices;
 };
 
 struct TenantUsage {
@@ -111,29 +133,18 @@ struct SnapshotStats {
   int64_t bytes = 0;  // file size
 };
 
-// Deadline and cancellation of the call a request belongs to. Checked before anything is
-// applied; a request that has started applying runs to completion.
-struct CallControl {
-  absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> cancelled;  // may be empty
-  absl::Status Check() const;
-};
-
-// Watches the engine's backend calls, for metrics. Called from request threads: must be
-// thread-safe and quick.
-class EngineObserver {
- public:
-  virtual ~EngineObserver() = default;
-  // One KeyCacheBackend::Select call: how many span selections it ran and how long it took.
-  virtual void OnBackendSelect(int64_t tasks, absl::Duration took) = 0;
-};
-
 class Engine {
  public:
-  // `config` must have passed Validate(). The backend must have been built for `config`.
-  // `quotas`: the most pages each tenant may hold (none by default).
+  // One device. `config` must have passed Validate(). The backend must have been built for
+  // `config` (pages [0, capacity_pages)). `quotas`: the most pages each tenant may hold (none by
+  // default).
   Engine(const EngineConfig& config, std::unique_ptr<KeyCacheBackend> backend,
          PageQuotas quotas = {});
+  // Several devices (at least one): devices[d].backend must have been built for `config` and
+  // the slot {any ordinal, d * capacity_pages, capacity_pages} (MakeBackends builds them so),
+  // and devices * capacity_pages must fit int32 page ids.
+  Engine(const EngineConfig& config, std::vector<DeviceBackend> devices, PageQuotas quotas = {});
+  ~Engine();
 
   // Appends keys, creating the sequence on its first append.
   absl::StatusOr<StepResult> Append(const AppendRequest& request, const CallControl& control = {});
@@ -162,9 +173,9 @@ class Engine {
   // schedulers that died without releasing); returns how many.
   int64_t ReclaimIdle(absl::Duration idle);
 
-  // `observer` (may be null) sees every backend selection from now on; it must outlive the
-  // engine. Call before serving.
-  void SetObserver(EngineObserver* observer) { observer_ = observer; }
+  // `observer` (may be null) sees every backend selection and the select queue from now on; it
+  // must outlive the engine. Call before serving.
+  void SetObserver(EngineObserver* observer);
 
   EngineStats Stats() const;
   TenantUsage Usage(absl::string_view tenant) const;
@@ -182,11 +193,17 @@ class Engine {
   // DATA_LOSS when it is truncated, malformed or fails its checksum; FAILED_PRECONDITION when it
   // was written with another head_dim, key storage, layer count or block size, or holds
   // sequences this configuration refuses (longer than max_tokens_per_sequence, attention page
-  // ids out of range); RESOURCE_EXHAUSTED when its pages exceed the capacity. On any error the
-  // engine is left empty. Page quotas are not enforced on restored pages (they are charged).
+  // ids out of range, placed on a device this engine does not have); RESOURCE_EXHAUSTED when its
+  // pages on some device exceed that device's capacity. Each sequence goes back to the device
+  // (index) it was on. On any error the engine is left empty. Page quotas are not enforced on
+  // restored pages (they are charged).
   absl::Status RestoreSnapshot(const std::string& path, SnapshotStats* stats = nullptr);
   const EngineConfig& config() const { return config_; }
-  const KeyCacheBackend& backend() const { return *backend_; }
+  // Device 0's backend (the only one of a one-device engine).
+  const KeyCacheBackend& backend() const { return *devices_[0].backend; }
+  int num_devices() const { return static_cast<int>(devices_.size()); }
+  const KeyCacheBackend& backend(int device) const { return *devices_[device].backend; }
+  const DeviceSlot& slot(int device) const { return devices_[device].slot; }
 
  private:
   struct PreparedAppend;
@@ -197,18 +214,41 @@ class Engine {
   absl::Status PrepareStep(const StepRequest& request, PreparedStep* out) const;
   // Applies `append`. Pages it copied on write stay referenced in *replaced as (block, original
   // page): the caller releases them once the step has succeeded, or swaps them back.
+  // With `deferred`, the keys are not written: the write is added to *deferred (its block table
+  // points into seq.pages, valid while the sequence stays locked and unchanged) for the caller to
+  // issue with others in one WriteKeysBatch, and to undo the append if that fails.
+  struct DeferredWrite {
+    KeyWrite write;
+    std::vector<int64_t> starts;  // write.layer_start points here
+  };
   absl::Status ApplyAppend(Sequence& seq, const PreparedAppend& append,
-                           std::vector<std::pair<int64_t, int32_t>>* replaced);
+                           std::vector<std::pair<int64_t, int32_t>>* replaced,
+                           DeferredWrite* deferred = nullptr);
   absl::Status CheckSpan(const Sequence& seq, PreparedStep& step) const;
   // `budget`: bytes of answer the call may still return (negative: no limit).
+  // Selections go through the batcher, which checks `control` again before it launches them.
   void RunWave(std::span<PreparedStep*> wave, std::vector<absl::StatusOr<StepResult>>& results,
-               int64_t& budget);
+               int64_t& budget, const CallControl& control);
   int64_t AnswerBytes(const PreparedStep& step, bool attn_pages) const;
   void ReleaseReplaced(const std::vector<std::pair<int64_t, int32_t>>& replaced);
+  // The device for a new sequence that will first need `blocks` pages: the most free pages net
+  // of `planned` (pages this wave's new sequences will take, per device; updated), ties to the
+  // lower index. `free` is filled on first use.
+  int PlaceNew(int64_t blocks, std::vector<int64_t>& free, std::vector<int64_t>& planned) const;
+  // ReadPages / WritePages for global page ids on any devices (split into runs per device).
+  absl::Status ReadPagesAnyDevice(std::span<const int32_t> pages, uint8_t* dst);
+  absl::Status WritePagesAnyDevice(std::span<const int32_t> pages, const uint8_t* src);
+  KeyCacheBackend& BackendOf(const Sequence& seq) { return *devices_[seq.device].backend; }
+
+  struct Device {
+    DeviceSlot slot;
+    std::unique_ptr<KeyCacheBackend> backend;
+    // After backend: destroyed (drained and joined) before the backend it launches on.
+    std::unique_ptr<SelectBatcher> batcher;
+  };
 
   const EngineConfig config_;
-  std::unique_ptr<KeyCacheBackend> backend_;
-  EngineObserver* observer_ = nullptr;
+  std::vector<Device> devices_;
   PagePool pool_;
   SequenceTable sequences_;
   // Every call holds a pass; snapshots pause it. Mutable: Get() is const but must wait too.

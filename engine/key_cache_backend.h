@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
@@ -29,6 +30,10 @@ struct KeyWrite {
   const uint16_t* keys = nullptr;
 };
 
+// Where a backend's pages live: device `ordinal`, holding global page ids
+// [first_page, first_page + num_pages). Callers always pass global ids; the backend translates.
+struct DeviceSlot { int ordinal = 0; int64_t first_page = 0; int64_t num_pages = 0; };
+
 // One span selection against one layer. `span`'s pointers are host memory.
 struct SelectTask {
   int layer = 0;
@@ -47,6 +52,11 @@ class KeyCacheBackend {
   // Stores keys, converting bf16 to the cache's storage type.
   virtual absl::Status WriteKeys(const KeyWrite& write) = 0;
 
+  // Several writes at once (the appends of one wave of a Batch, each to its own pages), so that
+  // a decode step of many sequences costs one device round trip instead of one each. On failure
+  // any of them may have been partly applied. The default writes them one by one.
+  virtual absl::Status WriteKeysBatch(std::span<const KeyWrite> writes);
+
   // Copies page `src` to page `dst` in every layer (copy-on-write of a shared page).
   virtual absl::Status CopyPage(int32_t src, int32_t dst) = 0;
 
@@ -64,6 +74,21 @@ class KeyCacheBackend {
   virtual absl::Status Select(std::span<const SelectTask> tasks,
                               const kernels::PageTableParams& page_table) = 0;
 };
+
+// One device of a server: its slot and the backend built for it (MakeBackends; the Engine takes
+// a list of them, device d owning pages [d * capacity_pages, (d + 1) * capacity_pages)).
+struct DeviceBackend {
+  DeviceSlot slot;
+  std::unique_ptr<KeyCacheBackend> backend;
+};
+
+inline absl::Status KeyCacheBackend::WriteKeysBatch(std::span<const KeyWrite> writes) {
+  for (const KeyWrite& w : writes) {
+    const absl::Status status = WriteKeys(w);
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
 
 inline absl::Status KeyCacheBackend::ReadPages(std::span<const int32_t> /*pages*/,
                                                uint8_t* /*dst*/) {

@@ -11,11 +11,20 @@ int64_t PageQuotas::For(absl::string_view tenant) const {
   return it == per_tenant.end() ? default_pages : it->second;
 }
 
-PagePool::PagePool(int64_t num_pages, PageQuotas quotas)
-    : quotas_(std::move(quotas)), refs_(num_pages, 0), owner_(num_pages, 0) {
-  free_list_.reserve(num_pages);
-  // Low ids on top of the stack: handed out first, which keeps small tests readable.
-  for (int64_t p = num_pages - 1; p >= 0; --p) free_list_.push_back(static_cast<int32_t>(p));
+PagePool::PagePool(int64_t pages_per_device, PageQuotas quotas, int devices)
+    : quotas_(std::move(quotas)),
+      pages_per_device_(pages_per_device),
+      refs_(pages_per_device * devices, 0),
+      owner_(pages_per_device * devices, 0),
+      free_lists_(devices) {
+  for (int d = 0; d < devices; ++d) {
+    std::vector<int32_t>& free = free_lists_[d];
+    free.reserve(pages_per_device);
+    // Low ids on top of the stack: handed out first, which keeps small tests readable.
+    for (int64_t p = (d + 1) * pages_per_device - 1; p >= d * pages_per_device; --p) {
+      free.push_back(static_cast<int32_t>(p));
+    }
+  }
 }
 
 int32_t PagePool::TenantIndexLocked(absl::string_view tenant) {
@@ -28,12 +37,19 @@ int32_t PagePool::TenantIndexLocked(absl::string_view tenant) {
 }
 
 absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int64_t n, absl::string_view tenant,
-                                                        bool enforce_quota) {
+                                                        bool enforce_quota, int device) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (n > static_cast<int64_t>(free_list_.size())) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("key cache is full: the request needs ", n, " new pages and ",
-                     free_list_.size(), " of ", refs_.size(), " are free"));
+  std::vector<int32_t>& free_list = free_lists_[device];
+  if (n > static_cast<int64_t>(free_list.size())) {
+    if (free_lists_.size() == 1) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("key cache is full: the request needs ", n, " new pages and ",
+                       free_list.size(), " of ", refs_.size(), " are free"));
+    }
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "key cache is full on device ", device, ": the request needs ", n, " new pages and ",
+        free_list.size(), " of its ", pages_per_device_,
+        " are free (a sequence stays on the device it was created on)"));
   }
   const int32_t owner = TenantIndexLocked(tenant);
   const int64_t quota = quotas_.For(tenant);
@@ -42,8 +58,8 @@ absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int64_t n, absl::string_
         "page quota exceeded: the request needs ", n, " new pages and ",
         TenantLabel(tenant), " holds ", tenant_pages_[owner], " of its quota of ", quota, " pages"));
   }
-  std::vector<int32_t> pages(free_list_.end() - n, free_list_.end());
-  free_list_.resize(free_list_.size() - n);
+  std::vector<int32_t> pages(free_list.end() - n, free_list.end());
+  free_list.resize(free_list.size() - n);
   for (int32_t p : pages) {
     refs_[p] = 1;
     owner_[p] = owner;
@@ -66,7 +82,7 @@ int64_t PagePool::Release(std::span<const int32_t> pages) {
   for (int32_t p : pages) {
     assert(refs_[p] > 0);
     if (--refs_[p] == 0) {
-      free_list_.push_back(p);
+      free_lists_[DeviceOf(p)].push_back(p);
       --tenant_pages_[owner_[p]];
       ++freed;
     }
@@ -81,7 +97,22 @@ int32_t PagePool::RefCount(int32_t page) const {
 
 int64_t PagePool::free_pages() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(free_list_.size());
+  int64_t n = 0;
+  for (const std::vector<int32_t>& free : free_lists_) n += static_cast<int64_t>(free.size());
+  return n;
+}
+
+int64_t PagePool::free_pages(int device) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(free_lists_[device].size());
+}
+
+std::vector<int64_t> PagePool::FreePagesPerDevice() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> n;
+  n.reserve(free_lists_.size());
+  for (const std::vector<int32_t>& free : free_lists_) n.push_back(static_cast<int64_t>(free.size()));
+  return n;
 }
 
 int64_t PagePool::TenantPages(absl::string_view tenant) const {

@@ -27,7 +27,7 @@ std::shared_ptr<Sequence> SequenceTable::Find(absl::string_view tenant,
 
 std::shared_ptr<Sequence> SequenceTable::FindOrCreate(absl::string_view tenant,
                                                       absl::string_view id, int layers,
-                                                      bool* created) {
+                                                      bool* created, int device) {
   std::string key = Key(tenant, id);
   std::lock_guard<std::mutex> lock(mu_);
   if (max_size_ > 0 && static_cast<int64_t>(map_.size()) >= max_size_) {
@@ -36,7 +36,7 @@ std::shared_ptr<Sequence> SequenceTable::FindOrCreate(absl::string_view tenant,
     return it == map_.end() ? nullptr : it->second;
   }
   auto [it, inserted] = map_.try_emplace(std::move(key), nullptr);
-  if (inserted) it->second = std::make_shared<Sequence>(std::string(tenant), std::string(id), layers);
+  if (inserted) it->second = std::make_shared<Sequence>(std::string(tenant), std::string(id), layers, device);
   *created = inserted;
   return it->second;
 }

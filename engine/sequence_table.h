@@ -29,14 +29,16 @@ inline int64_t SteadyNowNs() {
 }
 
 struct Sequence {
-  Sequence(std::string tenant_name, std::string sequence_id, int layers)
+  Sequence(std::string tenant_name, std::string sequence_id, int layers, int device_index = 0)
       : tenant(std::move(tenant_name)),
         id(std::move(sequence_id)),
+        device(device_index),
         lengths(layers, 0),
         last_used_ns(SteadyNowNs()) {}
 
   const std::string tenant;
   const std::string id;
+  const int device;  // where its pages live, chosen at creation; forks share it
   std::mutex mu;
   bool released = false;
   std::vector<int64_t> lengths;       // tokens per layer
@@ -60,10 +62,10 @@ class SequenceTable {
 
   // The sequence with this tenant and id, or nullptr.
   std::shared_ptr<Sequence> Find(absl::string_view tenant, absl::string_view id) const;
-  // The sequence with this tenant and id, made (empty) when absent; *created says which.
-  // nullptr (and *created false) when it is absent and the table already holds max_size.
+  // The sequence with this tenant and id, made (empty, on `device`) when absent; *created says
+  // which. nullptr (and *created false) when it is absent and the table already holds max_size.
   std::shared_ptr<Sequence> FindOrCreate(absl::string_view tenant, absl::string_view id,
-                                         int layers, bool* created);
+                                         int layers, bool* created, int device = 0);
   // Adds `seq` unless its tenant and id are taken or the table holds max_size.
   InsertResult Insert(std::shared_ptr<Sequence> seq);
   // Removes the entry for this tenant and id; returns it (nullptr when absent).

@@ -30,6 +30,7 @@ struct SnapshotContents {
   SnapshotHeader header;
   std::vector<SnapshotSequence> sequences;
   std::vector<int32_t> page_owner;  // per page of the file: the sequence whose tenant pays
+                                    // (and whose device holds it)
   uint32_t crc = 0;
   int64_t bytes = 0;
 };
@@ -145,9 +146,10 @@ absl::Status CheckFinite(const std::string& path, const uint8_t* data, int64_t b
 }
 
 // Reads the whole file, checking its structure, its checksum and every sequence against
-// `config`, into *out; hands the pages to `on_pages` in chunks (first page index, count, bytes).
+// `config` and the engine's `devices`, into *out; hands the pages to `on_pages` in chunks (first
+// page index, count, bytes).
 absl::Status ReadSnapshotFile(
-    const std::string& path, const EngineConfig& config, SnapshotContents* out,
+    const std::string& path, const EngineConfig& config, int devices, SnapshotContents* out,
     const std::function<absl::Status(uint64_t, int64_t, const uint8_t*)>& on_pages) {
   absl::StatusOr<std::unique_ptr<SnapshotReader>> opened = SnapshotReader::Open(path);
   if (!opened.ok()) return opened.status();
@@ -155,7 +157,7 @@ absl::Status ReadSnapshotFile(
   SnapshotHeader& h = out->header;
   INDEXER_RETURN_IF_ERROR(reader.ReadHeader(&h));
   INDEXER_RETURN_IF_ERROR(CheckSameShape(path, h, config));
-  if (h.num_pages > static_cast<uint64_t>(config.capacity_pages)) {
+  if (devices == 1 && h.num_pages > static_cast<uint64_t>(config.capacity_pages)) {
     return absl::ResourceExhaustedError(
         absl::StrCat("snapshot file ", path, " holds ", h.num_pages, " pages; this server's "
                      "capacity is ", config.capacity_pages, " pages: raise --capacity"));
@@ -172,19 +174,39 @@ absl::Status ReadSnapshotFile(
       return absl::DataLossError(absl::StrCat("snapshot file ", path, " holds sequence '", s.id,
                                               "' of ", TenantLabel(s.tenant), " twice"));
     }
+    if (s.device >= static_cast<uint32_t>(devices)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "snapshot file ", path, " places sequence '", s.id, "' of ", TenantLabel(s.tenant),
+          " on device ", s.device, " of the writer's ", h.devices, "; this server has ", devices,
+          " devices: start it with as many devices (--devices, --cpu_devices) to restore it"));
+    }
     for (uint32_t p : s.pages) {
       int32_t& owner = out->page_owner[p];
       if (owner >= 0 && out->sequences[owner].tenant != s.tenant) {
         return absl::DataLossError(absl::StrCat("snapshot file ", path, ": page ", p,
                                                 " is shared by two tenants"));
       }
+      if (owner >= 0 && out->sequences[owner].device != s.device) {
+        return absl::DataLossError(absl::StrCat("snapshot file ", path, ": page ", p,
+                                                " is shared by sequences on two devices"));
+      }
       if (owner < 0) owner = static_cast<int32_t>(i);
     }
   }
+  std::vector<uint64_t> per_device(devices, 0);
   for (uint64_t p = 0; p < h.num_pages; ++p) {
     if (out->page_owner[p] < 0) {
       return absl::DataLossError(
           absl::StrCat("snapshot file ", path, ": page ", p, " belongs to no sequence"));
+    }
+    ++per_device[out->sequences[out->page_owner[p]].device];
+  }
+  for (int d = 0; d < devices; ++d) {
+    if (per_device[d] > static_cast<uint64_t>(config.capacity_pages)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "snapshot file ", path, " holds ", per_device[d], " pages on device ", d,
+          "; this server's capacity is ", config.capacity_pages,
+          " pages per device: raise --capacity"));
     }
   }
   // Pages, in chunks.
@@ -220,6 +242,7 @@ absl::Status Engine::WriteSnapshot(const std::string& path, SnapshotStats* stats
     SnapshotSequence& r = records[i];
     r.tenant = seq.tenant;
     r.id = seq.id;
+    r.device = static_cast<uint32_t>(seq.device);
     r.attn_decided = seq.attn_decided;
     r.has_attn_pages = seq.has_attn_pages;
     r.lengths = seq.lengths;
@@ -245,6 +268,9 @@ absl::Status Engine::WriteSnapshot(const std::string& path, SnapshotStats* stats
   if (!created.ok()) return created.status();
   SnapshotWriter& writer = **created;
   SnapshotHeader header;
+  // One-device servers write version 1, which older servers read too.
+  header.version = devices_.size() > 1 ? kSnapshotVersion : 1;
+  header.devices = static_cast<uint32_t>(devices_.size());
   header.head_dim = static_cast<uint32_t>(config_.head_dim);
   header.layers = static_cast<uint32_t>(layers);
   header.key_storage = static_cast<uint32_t>(config_.key_storage);
@@ -265,7 +291,7 @@ absl::Status Engine::WriteSnapshot(const std::string& path, SnapshotStats* stats
   for (size_t first = 0; first < pages.size(); first += chunk) {
     const int64_t n = std::min<int64_t>(chunk, static_cast<int64_t>(pages.size() - first));
     INDEXER_RETURN_IF_ERROR(
-        backend_->ReadPages(std::span<const int32_t>(pages.data() + first, n), buffer.data()));
+        ReadPagesAnyDevice(std::span<const int32_t>(pages.data() + first, n), buffer.data()));
     for (int64_t j = 0; j < n; ++j) {
       for (int l = 0; l < layers; ++l) {
         uint8_t* layer_page = buffer.data() + (j * layers + l) * layer_page_bytes;
@@ -294,8 +320,9 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
 
   // Pass 1: check everything, pages included, before anything is applied.
   SnapshotContents plan;
+  const int devices = num_devices();
   INDEXER_RETURN_IF_ERROR(ReadSnapshotFile(
-      path, config_, &plan, [&](uint64_t first, int64_t n, const uint8_t* data) {
+      path, config_, devices, &plan, [&](uint64_t first, int64_t n, const uint8_t* data) {
         return CheckFinite(path, data, n * config_.BytesPerPage(), config_.key_storage, first,
                            config_.BytesPerPage());
       }));
@@ -312,14 +339,17 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
   const uint64_t num_pages = plan.header.num_pages;
   std::vector<int32_t> page_of(num_pages, -1);  // file page -> pool page
   std::vector<int32_t> taken;
-  absl::flat_hash_map<std::string, std::vector<uint64_t>> by_tenant;
+  // Pages are taken per tenant (who pays) and device (the one their sequences were on).
+  absl::flat_hash_map<std::pair<std::string, uint32_t>, std::vector<uint64_t>> by_owner;
   for (uint64_t p = 0; p < num_pages; ++p) {
-    by_tenant[plan.sequences[plan.page_owner[p]].tenant].push_back(p);
+    const SnapshotSequence& owner = plan.sequences[plan.page_owner[p]];
+    by_owner[{owner.tenant, owner.device}].push_back(p);
   }
   absl::Status status;
-  for (const auto& [tenant, file_pages] : by_tenant) {
+  for (const auto& [owner, file_pages] : by_owner) {
     absl::StatusOr<std::vector<int32_t>> got =
-        pool_.Allocate(static_cast<int64_t>(file_pages.size()), tenant, /*enforce_quota=*/false);
+        pool_.Allocate(static_cast<int64_t>(file_pages.size()), owner.first,
+                       /*enforce_quota=*/false, static_cast<int>(owner.second));
     if (!got.ok()) {
       status = got.status();
       break;
@@ -329,9 +359,9 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
   }
   SnapshotContents again;
   if (status.ok()) {
-    status = ReadSnapshotFile(path, config_, &again,
+    status = ReadSnapshotFile(path, config_, devices, &again,
                               [&](uint64_t first, int64_t n, const uint8_t* data) {
-                                return backend_->WritePages(
+                                return WritePagesAnyDevice(
                                     std::span<const int32_t>(page_of.data() + first, n), data);
                               });
   }
@@ -349,7 +379,7 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
   // Every pool page came with one reference; sequences sharing it take one more each.
   std::vector<bool> first_use(num_pages, true);
   for (const SnapshotSequence& r : plan.sequences) {
-    auto seq = std::make_shared<Sequence>(r.tenant, r.id, config_.layers);
+    auto seq = std::make_shared<Sequence>(r.tenant, r.id, config_.layers, static_cast<int>(r.device));
     seq->lengths = r.lengths;
     seq->attn_decided = r.attn_decided;
     seq->has_attn_pages = r.has_attn_pages;

@@ -105,13 +105,17 @@ absl::Status SnapshotWriter::Append(const void* data, size_t n) {
 }
 
 absl::Status SnapshotWriter::WriteHeader(const SnapshotHeader& h) {
+  if (h.version < 1 || h.version > kSnapshotVersion) {
+    return absl::InternalError(absl::StrCat("cannot write snapshot format version ", h.version));
+  }
+  version_ = h.version;
   std::string b(kMagic, sizeof(kMagic));
   PutU32(&b, h.version);
   PutU32(&b, h.head_dim);
   PutU32(&b, h.layers);
   PutU32(&b, h.key_storage);
   PutU32(&b, h.block_size);
-  PutU32(&b, 0);
+  PutU32(&b, h.version >= 2 ? h.devices : 0);
   PutU64(&b, h.page_bytes);
   PutU64(&b, h.num_pages);
   PutU64(&b, h.num_sequences);
@@ -130,6 +134,11 @@ absl::Status SnapshotWriter::WriteSequence(const SnapshotSequence& s) {
   for (uint32_t p : s.pages) PutU32(&b, p);
   PutU32(&b, static_cast<uint32_t>(s.attn_pages.size()));
   for (int32_t a : s.attn_pages) PutU32(&b, static_cast<uint32_t>(a));
+  if (version_ >= 2) {
+    PutU32(&b, s.device);
+  } else if (s.device != 0) {
+    return absl::InternalError("a version 1 snapshot cannot place a sequence on another device than 0");
+  }
   return Append(b.data(), b.size());
 }
 
@@ -236,11 +245,13 @@ absl::Status SnapshotReader::ReadHeader(SnapshotHeader* h) {
                      "snapshot magic)"));
   }
   h->version = GetU32(b + 8);
-  if (h->version != kSnapshotVersion) {
+  if (h->version < 1 || h->version > kSnapshotVersion) {
     return absl::FailedPreconditionError(
         absl::StrCat("snapshot file ", path_, " has format version ", h->version,
-                     "; this server reads version ", kSnapshotVersion));
+                     "; this server reads versions 1 to ", kSnapshotVersion));
   }
+  version_ = h->version;
+  h->devices = h->version >= 2 ? GetU32(b + 28) : 0;
   h->head_dim = GetU32(b + 12);
   h->layers = GetU32(b + 16);
   h->key_storage = GetU32(b + 20);
@@ -297,6 +308,11 @@ absl::Status SnapshotReader::ReadSequence(uint32_t layers, uint64_t max_blocks,
   for (int32_t& a : s->attn_pages) {
     INDEXER_RETURN_IF_ERROR(Read(u32, 4));
     a = static_cast<int32_t>(GetU32(u32));
+  }
+  s->device = 0;
+  if (version_ >= 2) {
+    INDEXER_RETURN_IF_ERROR(Read(u32, 4));
+    s->device = GetU32(u32);
   }
   return absl::OkStatus();
 }

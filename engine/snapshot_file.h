@@ -5,19 +5,23 @@
 //
 // Layout, all integers little-endian:
 //
-//   header     magic "IDXSNAP\0" (8 bytes), u32 version (1), u32 head_dim, u32 layers,
-//              u32 key_storage (0 bf16, 1 fp8 e4m3), u32 block_size (128), u32 reserved (0),
+//   header     magic "IDXSNAP\0" (8 bytes), u32 version (1 or 2), u32 head_dim, u32 layers,
+//              u32 key_storage (0 bf16, 1 fp8 e4m3), u32 block_size (128),
+//              u32 devices (version 2: the writer's device count; version 1: 0),
 //              u64 page_bytes (one page, every layer), u64 num_pages, u64 num_sequences
 //   sequences  num_sequences times: u32 tenant bytes, tenant, u32 id bytes, id,
 //              u8 flags (bit 0: attention pages decided, bit 1: has attention pages),
 //              u64 length per layer, u32 blocks, u32 page index (into the pages below) per block,
-//              u32 attention pages, i32 attention page id per block
+//              u32 attention pages, i32 attention page id per block,
+//              version 2 only: u32 device (index of the device holding its pages)
 //   pages      num_pages times page_bytes: [layers][block_size][head_dim] stored elements (bf16
 //              or fp8 bytes, exactly as the cache holds them); slots past every sequence's
 //              length are zero
 //   trailer    u32 CRC-32C of every byte before the trailer, end magic "IDXSEND\0" (8 bytes)
 //
-// A page shared by several sequences (forks) is stored once and referenced by each.
+// A page shared by several sequences (forks) is stored once and referenced by each; such
+// sequences are on one device. Version 1 files (written by one-device servers, which still write
+// them, so older servers read their files) put every sequence on device 0.
 //
 // Not thread-safe: one writer or reader belongs to one thread.
 #pragma once
@@ -33,10 +37,12 @@
 
 namespace indexer::engine {
 
-inline constexpr uint32_t kSnapshotVersion = 1;
+// The newest version this code reads and writes; it reads every version from 1.
+inline constexpr uint32_t kSnapshotVersion = 2;
 
 struct SnapshotHeader {
   uint32_t version = kSnapshotVersion;
+  uint32_t devices = 0;  // version 2: the writer's device count
   uint32_t head_dim = 0;
   uint32_t layers = 0;
   uint32_t key_storage = 0;
@@ -54,6 +60,7 @@ struct SnapshotSequence {
   std::vector<int64_t> lengths;     // per layer
   std::vector<uint32_t> pages;      // per block: index of its page in the file
   std::vector<int32_t> attn_pages;  // per block, when has_attn_pages
+  uint32_t device = 0;              // version 2; 0 in version 1
 
   bool operator==(const SnapshotSequence&) const = default;
 };
@@ -69,6 +76,7 @@ class SnapshotWriter {
   SnapshotWriter(const SnapshotWriter&) = delete;
   SnapshotWriter& operator=(const SnapshotWriter&) = delete;
 
+  // Version 1 or 2; WriteSequence writes the fields of the header's version.
   absl::Status WriteHeader(const SnapshotHeader& header);
   absl::Status WriteSequence(const SnapshotSequence& seq);
   absl::Status WritePages(const uint8_t* data, size_t bytes);
@@ -85,6 +93,7 @@ class SnapshotWriter {
 
   std::string path_;
   int fd_ = -1;
+  uint32_t version_ = kSnapshotVersion;
   bool committed_ = false;
   uint32_t crc_ = 0;
   uint64_t offset_ = 0;
@@ -102,6 +111,7 @@ class SnapshotReader {
   SnapshotReader& operator=(const SnapshotReader&) = delete;
 
   // Reads and checks the magic; FAILED_PRECONDITION for a version this code does not read.
+  // ReadSequence then reads the fields of the file's version.
   absl::Status ReadHeader(SnapshotHeader* header);
   // `layers` lengths per sequence; strings and block counts past the limits are DATA_LOSS.
   absl::Status ReadSequence(uint32_t layers, uint64_t max_blocks, SnapshotSequence* seq);
@@ -123,6 +133,7 @@ class SnapshotReader {
 
   std::string path_;
   int fd_ = -1;
+  uint32_t version_ = kSnapshotVersion;
   uint64_t file_size_ = 0;
   uint64_t offset_ = 0;
   uint32_t crc_ = 0;

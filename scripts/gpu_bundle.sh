@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # Builds the GPU binaries here (sm_90) and bundles them, with the shared libraries they need and
-# the seed's benchmark, into .device/ (git-ignored), for scripts/gpu_check.sh on the GPU machine:
+# the seed's benchmark, into .device/ (git-ignored), for scripts/gpu_check.sh on the GPU machine
+# (scripts/service_bench.py, which gpu_check.sh service runs, is in the tree and needs no bundling):
 #
 #   scripts/gpu_bundle.sh [BUILD_DIR]      then run gpu_check.sh there with .device carried.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build-gpu}
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
-cmake --build "$build" --target gpu_select_test cuda_backend_test indexer-kernel-bench indexer-server indexer-cli
+cmake --build "$build" --target gpu_select_test cuda_backend_test indexer-kernel-bench indexer-server indexer-cli \
+  indexer-bench indexer-echo-server fuzz_corpus_test
 rm -rf "$root/.device/bundle" "$root/.device/bench"
 mkdir -p "$root/.device"
 bundler=${BUNDLE_LIBS:-$root/../shared/tools/bundle-libs.sh}
 for bin in "$build/tests/gpu/gpu_select_test" "$build/tests/gpu/cuda_backend_test" \
            "$build/kernels/indexer-kernel-bench" "$build/server/indexer-server" \
-           "$build/client/cpp/indexer-cli"; do
+           "$build/client/cpp/indexer-cli" "$build/client/bench/indexer-bench" \
+           "$build/client/bench/indexer-echo-server" "$build/tests/fuzz/fuzz_corpus_test"; do
   # bundle-libs.sh stops early for a binary that needs no extra library; check the copy instead.
   "$bundler" "$root/.device/bundle" "$bin" >/dev/null || true
   [ -x "$root/.device/bundle/$(basename "$bin")" ] || { echo "bundling $bin failed" >&2; exit 1; }
 done
 cp -r "${SEED_BENCH_DIR:-$root/../shared/bench}" "$root/.device/bench"
-du -sh "$root/.device"
+du -sh "$root/.device/bundle" "$root/.device/bench"
+# The device tool carries at most 64 MiB in all.
+kib=$(du -sck "$root/.device/bundle" "$root/.device/bench" | tail -n 1 | cut -f1)
+[ "$kib" -lt $((64 * 1024)) ] || { echo "the bundle is ${kib} KiB: over the 64 MiB the device tool carries" >&2; exit 1; }

@@ -6,27 +6,42 @@
 #
 #   scripts/gpu_check.sh [tests|bench|all]    (default all)
 #     tests: GPU tests and compute-sanitizer; bench: our benchmark only; all: both, then the seed
+#   scripts/gpu_check.sh faults
+#     GPU faults: a capacity larger than the card must fail at start with a clear message, and
+#     the fuzz corpus (tests/fuzz/corpus) replayed on the CUDA backend must hold every invariant
+#   scripts/gpu_check.sh session [ARGS]
+#     what one device call of a work session runs: the CUDA backend's tests (without
+#     gpu_select_test and compute-sanitizer), the service demo, faults, then service with ARGS
+#   scripts/gpu_check.sh service [ARGS]
+#     the service benchmark (scripts/service_bench.py: decode steps over gRPC against the kernel
+#     time, batching on/off, indexer against the echo server) into $OUT/service (three files),
+#     about 100 s; ARGS go to the script (e.g. --cases decode, or --devices 0,1 on two GPUs)
+# BUNDLE=DIR uses binaries bundled elsewhere than .device/bundle.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 what=${1:-all}
 out=${OUT:-$root/gpu-out}
 mkdir -p "$out"
-bundle=.device/bundle
+bundle=${BUNDLE:-.device/bundle}   # BUNDLE: another folder made like it
 export LD_LIBRARY_PATH=$root/$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 status=0
 step() { echo; echo "=== $* ==="; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$out/nvidia-smi.txt"
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = session ]; then
   step "GPU tests (kernels vs CPU reference)"
-  $bundle/gpu_select_test 2>&1 | tee "$out/gpu_select_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure|error|seed' || true
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if [ "$what" = session ]; then
+    echo "(session: gpu_select_test is left to 'tests')"
+  else
+    $bundle/gpu_select_test 2>&1 | tee "$out/gpu_select_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure|error|seed' || true
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
   step "CUDA backend vs CPU backend through the engine"
   $bundle/cuda_backend_test 2>&1 | tee "$out/cuda_backend_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure' || true
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  for tool in memcheck racecheck; do
+  for tool in $([ "$what" = session ] || echo memcheck racecheck); do
     step "compute-sanitizer $tool"
     compute-sanitizer --tool $tool --error-exitcode 9 $bundle/gpu_select_test --gtest_filter='*SanitizerSmall*' \
       >> "$out/sanitizer.log" 2>&1
@@ -36,7 +51,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   done
 fi
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = session ]; then
   step "the service on the GPU: indexer-server --device=cuda driven by indexer-cli demo"
   $bundle/indexer-server --listen=127.0.0.1:50191 --device=cuda --capacity=16GiB > "$out/server.log" 2>&1 &
   server=$!
@@ -69,6 +84,25 @@ if [ "$what" = profile ]; then
       > "$out/ncu_${c//,/_}.txt" 2>&1
     grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles Per Issued|Grid Size|Dynamic Shared" "$out/ncu_${c//,/_}.txt" | head -30
   done
+fi
+if [ "$what" = faults ] || [ "$what" = session ]; then
+  step "GPU faults: a pool larger than the card"
+  for devices in 0 all; do
+    start=$(date +%s%N)
+    $bundle/indexer-server --listen=127.0.0.1:50193 --device=cuda --devices=$devices --capacity=4096GiB \
+      > "$out/capacity_$devices.log" 2>&1
+    rc=$?
+    echo "--devices=$devices --capacity=4096GiB: exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"
+    tail -n 2 "$out/capacity_$devices.log"
+    [ $rc -ne 0 ] && grep -qi "capacity\|memory" "$out/capacity_$devices.log" || { echo "expected a clear refusal"; status=1; }
+  done
+  step "GPU faults: the fuzz corpus on the CUDA backend"
+  INDEXER_FUZZ_DEVICE=cuda $bundle/fuzz_corpus_test tests/fuzz/corpus 2>&1 | tail -n 3 | tee "$out/fuzz_corpus_cuda.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "fuzz corpus on CUDA failed"; status=1; }
+fi
+if [ "$what" = service ] || [ "$what" = session ]; then
+  step "service benchmark (indexer-server, indexer-echo-server and indexer-bench on this machine)"
+  python3 scripts/service_bench.py --device cuda --bin $bundle --out "$out/service" "${@:2}" || status=1
 fi
 if [ "$what" = all ]; then
   step "seed benchmark (same GPU, right after)"

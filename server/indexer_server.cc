@@ -64,9 +64,13 @@ absl::Status CheckSnapshotDir(const std::string& dir) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const ServerOptions& options) {
-  absl::StatusOr<std::unique_ptr<engine::KeyCacheBackend>> backend =
-      engine::MakeBackend(options.engine, options.device);
-  if (!backend.ok()) return backend.status();
+  engine::DeviceChoice choice;
+  choice.kind = options.device;
+  choice.cuda_devices = options.devices;
+  choice.cpu_devices = options.cpu_devices;
+  absl::StatusOr<std::vector<engine::DeviceBackend>> backends =
+      engine::MakeBackends(options.engine, choice);
+  if (!backends.ok()) return backends.status();
 
   std::unique_ptr<IndexerServer> s(new IndexerServer());
   s->access_ = std::make_unique<AccessControl>();
@@ -94,7 +98,7 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const Server
   engine::PageQuotas quotas;
   quotas.default_pages = options.tenant_quota_pages;
   for (const auto& [tenant, pages] : s->access_->quotas()) quotas.per_tenant[tenant] = pages;
-  s->engine_ = std::make_unique<engine::Engine>(config, std::move(*backend), std::move(quotas));
+  s->engine_ = std::make_unique<engine::Engine>(config, std::move(*backends), std::move(quotas));
   if (!options.restore.empty()) {
     const absl::Time start = absl::Now();
     engine::SnapshotStats stats;
@@ -106,9 +110,7 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const Server
                  stats.pages, stats.bytes, options.restore,
                  absl::ToDoubleSeconds(absl::Now() - start));
   }
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  s->executor_ = std::make_unique<RequestExecutor>(
-      options.handler_threads > 0 ? options.handler_threads : std::max(4, 2 * hw));
+  s->executor_ = std::make_unique<RequestExecutor>(HandlerThreads(options));
   s->metrics_ = std::make_unique<ServiceMetrics>(s->engine_.get(), s->engine_->backend().name());
   s->engine_->SetObserver(s->metrics_.get());
   if (!options.metrics_listen.empty()) {

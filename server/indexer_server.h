@@ -26,7 +26,8 @@ namespace indexer::server {
 
 class IndexerServer {
  public:
-  // Builds the backend (per options.device), the engine and the gRPC server, restores
+  // Builds the backends (one per device: options.device, devices, cpu_devices), the engine and
+  // the gRPC server, restores
   // options.restore when given, binds and starts. Errors: those of the backend factory, of the
   // token file, TLS files or snapshot folder (naming the flag), of the restore (nothing is
   // served then), or UNAVAILABLE when the address cannot be bound.

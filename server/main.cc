@@ -57,9 +57,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   const auto& engine = (*server)->engine();
-  spdlog::info("indexer-server {} serving on port {}: backend={} ({}) {}", indexer::server::Version(),
-               (*server)->port(), engine.backend().name(), engine.backend().device(),
-               indexer::server::Summary(*options));
+  spdlog::info("indexer-server {} serving on port {}: backend={} ({}) devices={} {}",
+               indexer::server::Version(), (*server)->port(), engine.backend().name(),
+               engine.backend().device(), engine.num_devices(), indexer::server::Summary(*options));
+  for (int d = 0; d < engine.num_devices(); ++d) {
+    const indexer::engine::DeviceSlot& slot = engine.slot(d);
+    spdlog::info("device {}: {} ordinal {} ({}), pages {} to {}", d, engine.backend(d).name(),
+                 slot.ordinal, engine.backend(d).device(), slot.first_page,
+                 slot.first_page + slot.num_pages - 1);
+  }
 
   int sig = 0;
   sigwait(&signals, &sig);

@@ -51,25 +51,44 @@ class ServiceMetrics::EngineGauges final : public prometheus::Collectable {
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     const engine::EngineStats s = engine_->Stats();
-    const auto gauge = [&](const char* name, const char* help, double v, bool per_device) {
+    // One series per device: labelled with the backend's name on a one-device server ("cpu",
+    // "cuda"), with name:ordinal ("cuda:0", "cuda:1") when there are several.
+    const auto family = [](const char* name, const char* help) {
       prometheus::MetricFamily f;
       f.name = name;
       f.help = help;
       f.type = prometheus::MetricType::Gauge;
-      prometheus::ClientMetric m = Value(v);
-      if (per_device) m.label.push_back({"device", device_});
-      f.metric.push_back(std::move(m));
       return f;
     };
-    return {
-        gauge("indexer_pages_total", "Pages in the key pool (one 128-token block of every layer).",
-              static_cast<double>(s.total_pages), true),
-        gauge("indexer_pages_free", "Free pages in the key pool.", static_cast<double>(s.free_pages), true),
-        gauge("indexer_pages_used", "Pages holding keys.",
-              static_cast<double>(s.total_pages - s.free_pages), true),
-        gauge("indexer_live_sequences", "Sequences the server holds.",
-              static_cast<double>(s.live_sequences), false),
+    const auto per_device = [&](const char* name, const char* help, auto value) {
+      prometheus::MetricFamily f = family(name, help);
+      for (size_t d = 0; d < s.devices.size(); ++d) {
+        prometheus::ClientMetric m = Value(static_cast<double>(value(s.devices[d])));
+        m.label.push_back({"device", Label(static_cast<int>(d))});
+        f.metric.push_back(std::move(m));
+      }
+      return f;
     };
+    prometheus::MetricFamily live = family("indexer_live_sequences", "Sequences the server holds.");
+    live.metric.push_back(Value(static_cast<double>(s.live_sequences)));
+    return {
+        per_device("indexer_pages_total",
+                   "Pages in the key pool of each device (one 128-token block of every layer).",
+                   [](const engine::DeviceStats& d) { return d.total_pages; }),
+        per_device("indexer_pages_free", "Free pages in the key pool of each device.",
+                   [](const engine::DeviceStats& d) { return d.free_pages; }),
+        per_device("indexer_pages_used", "Pages holding keys, per device.",
+                   [](const engine::DeviceStats& d) { return d.total_pages - d.free_pages; }),
+        per_device("indexer_batch_queued",
+                   "Span selections waiting in each device's select queue for a launch.",
+                   [](const engine::DeviceStats& d) { return d.queued_selects; }),
+        std::move(live),
+    };
+  }
+
+  std::string Label(int d) const {
+    if (engine_->num_devices() == 1) return device_;
+    return absl::StrCat(engine_->backend(d).name(), ":", engine_->slot(d).ordinal);
   }
 
  private:
@@ -113,7 +132,28 @@ ServiceMetrics::ServiceMetrics(const engine::Engine* engine, std::string device)
                      .Name("indexer_sequences_reclaimed_total")
                      .Help("Sequences released by the idle TTL (--idle_ttl).")
                      .Register(*registry_)
-                     .Add({})) {}
+                     .Add({})),
+      batch_groups_(prometheus::BuildHistogram()
+                        .Name("indexer_batch_calls")
+                        .Help("Calls' selection groups (one per call's wave) merged into one "
+                              "backend launch by the select batcher (--batching).")
+                        .Register(*registry_)
+                        .Add({}, CountBuckets())),
+      batch_queue_(prometheus::BuildHistogram()
+                       .Name("indexer_batch_queue_seconds")
+                       .Help("Time a call's selections waited in the select queue for a backend "
+                             "launch (--batching).")
+                       .Register(*registry_)
+                       .Add({}, SecondsBuckets())),
+      batch_dropped_(prometheus::BuildCounter()
+                         .Name("indexer_batch_dropped_total")
+                         .Help("Selection groups not launched, by reason: queue_full "
+                               "(--batch_queue_bound), deadline, cancelled, shutdown.")
+                         .Register(*registry_)),
+      dropped_queue_full_(batch_dropped_.Add({{"reason", "queue_full"}})),
+      dropped_deadline_(batch_dropped_.Add({{"reason", "deadline"}})),
+      dropped_cancelled_(batch_dropped_.Add({{"reason", "cancelled"}})),
+      dropped_shutdown_(batch_dropped_.Add({{"reason", "shutdown"}})) {}
 
 ServiceMetrics::~ServiceMetrics() = default;
 
@@ -163,6 +203,23 @@ void ServiceMetrics::RecordReclaimed(int64_t sequences) {
 void ServiceMetrics::OnBackendSelect(int64_t tasks, absl::Duration took) {
   select_spans_.Observe(static_cast<double>(tasks));
   select_seconds_.Observe(absl::ToDoubleSeconds(took));
+}
+
+void ServiceMetrics::OnBatchLaunched(int64_t groups) {
+  batch_groups_.Observe(static_cast<double>(groups));
+}
+
+void ServiceMetrics::OnBatchQueued(absl::Duration waited) {
+  batch_queue_.Observe(absl::ToDoubleSeconds(waited));
+}
+
+void ServiceMetrics::OnBatchDropped(absl::StatusCode why) {
+  switch (why) {
+    case absl::StatusCode::kResourceExhausted: dropped_queue_full_.Increment(); break;
+    case absl::StatusCode::kDeadlineExceeded: dropped_deadline_.Increment(); break;
+    case absl::StatusCode::kCancelled: dropped_cancelled_.Increment(); break;
+    default: dropped_shutdown_.Increment(); break;
+  }
 }
 
 void ServiceMetrics::Fill(v1::GetStatsResponse* out) const {

@@ -27,7 +27,8 @@ namespace indexer::server {
 
 class ServiceMetrics final : public engine::EngineObserver {
  public:
-  // `engine` must outlive this object; `device` labels the per-device gauges.
+  // `engine` must outlive this object; `device` labels the per-device gauges of a one-device
+  // engine (several devices are labelled backend:ordinal, e.g. cuda:1).
   ServiceMetrics(const engine::Engine* engine, std::string device);
   ~ServiceMetrics() override;
 
@@ -45,8 +46,12 @@ class ServiceMetrics final : public engine::EngineObserver {
   void RecordBatchItems(int64_t items);
   // Sequences the idle TTL reclaimed.
   void RecordReclaimed(int64_t sequences);
-  // engine::EngineObserver: one backend selection (the kernels and their copies on the GPU).
+  // engine::EngineObserver: one backend selection (the kernels and their copies on the GPU),
+  // and the select batcher's launches, queue waits and drops.
   void OnBackendSelect(int64_t tasks, absl::Duration took) override;
+  void OnBatchLaunched(int64_t groups) override;
+  void OnBatchQueued(absl::Duration waited) override;
+  void OnBatchDropped(absl::StatusCode why) override;
 
   // Every metric family, for GetStats.
   void Fill(v1::GetStatsResponse* out) const;
@@ -66,6 +71,13 @@ class ServiceMetrics final : public engine::EngineObserver {
   prometheus::Histogram& select_spans_;
   prometheus::Histogram& select_seconds_;
   prometheus::Counter& reclaimed_;
+  prometheus::Histogram& batch_groups_;
+  prometheus::Histogram& batch_queue_;
+  prometheus::Family<prometheus::Counter>& batch_dropped_;
+  prometheus::Counter& dropped_queue_full_;
+  prometheus::Counter& dropped_deadline_;
+  prometheus::Counter& dropped_cancelled_;
+  prometheus::Counter& dropped_shutdown_;
   // Children are created on first use; the families own them, these maps find them fast.
   mutable std::mutex mu_;
   absl::flat_hash_map<std::string, prometheus::Counter*> request_counters_;

@@ -1,7 +1,9 @@
 #include "server/server_options.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -11,15 +13,24 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address, host:port (port 0 picks one)");
 ABSL_FLAG(std::string, device, "auto", "Backend: auto (CUDA if a GPU is usable, else CPU), cpu or cuda");
+ABSL_FLAG(std::string, devices, "all",
+          "GPUs the cuda backend drives: all (every visible GPU) or ordinals such as 0,1. Each gets "
+          "its own --capacity pool; a sequence stays on the device it was created on (the one "
+          "with the most free pages then)");
+ABSL_FLAG(int32_t, cpu_devices, 1,
+          "Simulated devices of the cpu backend (1 to 64), each with its own --capacity pool and "
+          "a share of the threads: multi-device placement without GPUs");
 ABSL_FLAG(int32_t, head_dim, 128, "Index key/query dimension: 64, 128 or 256");
 ABSL_FLAG(int32_t, layers, 1, "Index-K caches (layers) sharing each sequence's block table");
 ABSL_FLAG(std::string, key_dtype, "bf16", "Key storage: bf16 or fp8 (e4m3, saturating, no scale)");
 ABSL_FLAG(std::string, capacity, "1GiB",
-          "Key pool size: a page count (8192) or a size (4GiB, 512MiB); one page = 128 tokens x "
-          "head_dim x layers keys");
+          "Key pool size per device: a page count (8192) or a size (4GiB, 512MiB); one page = 128 "
+          "tokens x head_dim x layers keys");
 ABSL_FLAG(int32_t, max_index_heads, 16, "Largest number of index heads H per request");
 ABSL_FLAG(int32_t, max_topk, 256, "Largest topk per request");
 ABSL_FLAG(int32_t, topk, 16, "Default topk when a request omits it");
@@ -34,7 +45,26 @@ ABSL_FLAG(int64_t, max_sequences, 65536,
           "Most sequences held at once, every tenant together (0 = no limit); a call that would "
           "create one more fails with RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend compute threads (0 = all hardware threads)");
-ABSL_FLAG(int32_t, handler_threads, 0, "Threads running requests (0 = max(4, 2 x hardware threads))");
+ABSL_FLAG(int32_t, handler_threads, 0,
+          "Threads running requests (0 = auto: with --batching max(64, 4 x hardware threads, "
+          "--batch_max_tasks), else max(4, 2 x hardware threads)). A call waiting for its batch "
+          "holds a thread, so N single-sequence callers can share one launch only with N threads; "
+          "idle threads cost little");
+ABSL_FLAG(bool, batching, true,
+          "Merge the selections of concurrent calls (SelectBlocks, Batch, BatchStream) into one "
+          "backend launch per step (false: each call launches its own)");
+ABSL_FLAG(int32_t, batch_max_tasks, 256,
+          "Batching: span selections one launch gathers; a launch starts once this many are "
+          "queued or --batch_max_delay_us has passed (one call's larger wave still goes whole)");
+ABSL_FLAG(int64_t, batch_max_delay_us, 0,
+          "Batching: the longest a selection waits for others, in microseconds (0 = none: launch "
+          "as soon as the backend is free; what arrives meanwhile forms the next launch)");
+ABSL_FLAG(int64_t, batch_queue_bound, 8192,
+          "Batching: most span selections waiting for a launch, per device; a call that would "
+          "pass it fails at once with RESOURCE_EXHAUSTED, applying nothing");
+ABSL_FLAG(int32_t, batch_max_inflight, 2,
+          "Batching: backend launches running at once per device (2 lets one step's copies "
+          "overlap the previous step's kernels; 1 = strictly one at a time)");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Largest gRPC message received or sent, in bytes");
 ABSL_FLAG(double, drain_seconds, 30, "On SIGINT/SIGTERM, how long in-flight calls may finish");
 ABSL_FLAG(double, not_serving_seconds, 1,
@@ -70,10 +100,11 @@ namespace indexer::server {
 namespace {
 
 const char* const kFlagNames[] = {
-    "listen", "device", "head_dim", "layers", "key_dtype", "capacity", "max_index_heads",
+    "listen", "device", "devices", "cpu_devices", "head_dim", "layers", "key_dtype", "capacity", "max_index_heads",
     "max_topk", "topk", "init_blocks", "local_blocks", "pages_per_block", "block_page_stride",
     "max_tokens_per_sequence", "max_query_tokens", "max_batch_items", "max_sequences", "cpu_threads",
-    "handler_threads", "max_message_bytes", "drain_seconds", "not_serving_seconds", "log_level",
+    "handler_threads", "batching", "batch_max_tasks", "batch_max_delay_us", "batch_queue_bound",
+    "batch_max_inflight", "max_message_bytes", "drain_seconds", "not_serving_seconds", "log_level",
     "tls_cert", "tls_key", "tls_client_ca", "token_file", "tenant_quota", "snapshot_dir",
     "snapshot_on_shutdown", "restore", "metrics_listen", "idle_ttl"};
 
@@ -119,10 +150,40 @@ std::vector<std::string> ArgsWithEnvironment(int argc, char** argv) {
   return args;
 }
 
+absl::StatusOr<std::vector<int>> ParseDevices(absl::string_view text) {
+  const std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  std::vector<int> out;
+  if (t == "all") return out;
+  const auto refuse = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--devices is '", text, "'; ", why, ": give all or GPU ordinals such as 0,1"));
+  };
+  for (absl::string_view part : absl::StrSplit(t, ',')) {
+    int ordinal = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &ordinal) || ordinal < 0 || ordinal > 1023) {
+      return refuse(absl::StrCat("'", part, "' is not an ordinal in [0, 1023]"));
+    }
+    if (std::find(out.begin(), out.end(), ordinal) != out.end()) {
+      return refuse(absl::StrCat("GPU ", ordinal, " is named twice"));
+    }
+    out.push_back(ordinal);
+  }
+  if (out.size() > 64) return refuse("at most 64 devices");
+  return out;
+}
+
 absl::StatusOr<ServerOptions> OptionsFromFlags() {
   ServerOptions o;
   o.listen = absl::GetFlag(FLAGS_listen);
   o.device = absl::GetFlag(FLAGS_device);
+  absl::StatusOr<std::vector<int>> devices = ParseDevices(absl::GetFlag(FLAGS_devices));
+  if (!devices.ok()) return devices.status();
+  o.devices = *std::move(devices);
+  o.cpu_devices = absl::GetFlag(FLAGS_cpu_devices);
+  if (o.cpu_devices < 1 || o.cpu_devices > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cpu_devices is ", o.cpu_devices, "; it must be in [1, 64]"));
+  }
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.handler_threads = absl::GetFlag(FLAGS_handler_threads);
   o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
@@ -151,6 +212,11 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   e.max_batch_items = absl::GetFlag(FLAGS_max_batch_items);
   e.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   e.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  e.batching.enabled = absl::GetFlag(FLAGS_batching);
+  e.batching.max_tasks = absl::GetFlag(FLAGS_batch_max_tasks);
+  e.batching.max_delay_us = absl::GetFlag(FLAGS_batch_max_delay_us);
+  e.batching.queue_bound = absl::GetFlag(FLAGS_batch_queue_bound);
+  e.batching.max_inflight = absl::GetFlag(FLAGS_batch_max_inflight);
   // The page size depends on head_dim, dtype and layers: check those before sizing the pool.
   e.capacity_pages = 1;
   if (absl::Status s = e.Validate(); !s.ok()) return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
@@ -216,20 +282,31 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   return o;
 }
 
+int HandlerThreads(const ServerOptions& o) {
+  if (o.handler_threads > 0) return o.handler_threads;
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!o.engine.batching.enabled) return std::max(4, 2 * hw);
+  return std::min(4096, std::max({64, 4 * hw, o.engine.batching.max_tasks}));
+}
+
 std::string Summary(const ServerOptions& o) {
   const engine::EngineConfig& e = o.engine;
   return absl::StrFormat(
-      "listen=%s device=%s head_dim=%d layers=%d key_dtype=%s capacity=%d pages (%.2f GiB) "
+      "listen=%s device=%s devices=%s cpu_devices=%d head_dim=%d layers=%d key_dtype=%s "
+      "capacity=%d pages (%.2f GiB) per device "
       "max_index_heads=%d max_topk=%d topk=%d init_blocks=%d local_blocks=%d pages_per_block=%d "
       "block_page_stride=%d max_tokens_per_sequence=%d max_query_tokens=%d max_batch_items=%d "
-      "max_sequences=%d max_message_bytes=%d tls=%s token_file=%s tenant_quota=%d pages snapshot_dir=%s "
+      "max_sequences=%d batching=%s batch_max_tasks=%d batch_max_delay_us=%d batch_queue_bound=%d "
+      "batch_max_inflight=%d handler_threads=%d max_message_bytes=%d tls=%s token_file=%s tenant_quota=%d pages snapshot_dir=%s "
       "snapshot_on_shutdown=%s restore=%s metrics_listen=%s idle_ttl=%s",
-      o.listen, o.device, e.head_dim, e.layers, engine::KeyStorageName(e.key_storage),
+      o.listen, o.device, o.devices.empty() ? "all" : absl::StrJoin(o.devices, ","),
+      o.cpu_devices, e.head_dim, e.layers, engine::KeyStorageName(e.key_storage),
       e.capacity_pages, static_cast<double>(e.capacity_pages * e.BytesPerPage()) / (1 << 30),
       e.max_index_heads, e.max_topk, e.defaults.topk, e.defaults.init_blocks,
       e.defaults.local_blocks, e.page_table.pages_per_block, e.page_table.block_page_stride,
       e.max_tokens_per_sequence, e.max_query_tokens, e.max_batch_items, e.max_sequences,
-      o.max_message_bytes,
+      e.batching.enabled ? "on" : "off", e.batching.max_tasks, e.batching.max_delay_us,
+      e.batching.queue_bound, e.batching.max_inflight, HandlerThreads(o), o.max_message_bytes,
       o.tls_cert.empty() ? "off" : (o.tls_client_ca.empty() ? "on" : "mutual"),
       o.token_file.empty() ? "none" : o.token_file, o.tenant_quota_pages,
       o.snapshot_dir.empty() ? "none" : o.snapshot_dir,

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -15,8 +16,10 @@ namespace indexer::server {
 struct ServerOptions {
   std::string listen = "0.0.0.0:50051";
   std::string device = "auto";     // auto | cpu | cuda
+  std::vector<int> devices;        // CUDA ordinals to drive (--devices); empty: every visible GPU
+  int cpu_devices = 1;             // simulated devices of the CPU backend (--cpu_devices)
   int64_t max_message_bytes = 64 << 20;
-  int handler_threads = 0;         // 0 = max(4, 2 x hardware threads)
+  int handler_threads = 0;         // 0 = auto (HandlerThreads)
   double drain_seconds = 30;       // graceful shutdown: how long in-flight calls may take
   double not_serving_seconds = 1;  // graceful shutdown: NOT_SERVING before the listener closes
   std::string log_level = "info";  // trace | debug | info | warn | error | off
@@ -41,12 +44,22 @@ struct ServerOptions {
 // whole pages of `bytes_per_page`. INVALID_ARGUMENT for anything else or a zero result.
 absl::StatusOr<int64_t> ParseCapacity(absl::string_view text, int64_t bytes_per_page);
 
+// Parses --devices: "all" (an empty list) or distinct GPU ordinals "0,1,3". INVALID_ARGUMENT
+// naming the flag otherwise.
+absl::StatusOr<std::vector<int>> ParseDevices(absl::string_view text);
+
 // Reads the flags (after absl::ParseCommandLine) into options and validates them.
 absl::StatusOr<ServerOptions> OptionsFromFlags();
 
 // Before absl::ParseCommandLine: returns argv with one --flag=value for each INDEXER_* variable
 // that names a known flag, placed before the real arguments so that those win.
 std::vector<std::string> ArgsWithEnvironment(int argc, char** argv);
+
+// The handler threads the server runs: options.handler_threads, or when 0 enough for batching
+// to gather a full launch from single-sequence calls (each waiting call holds a thread):
+// max(64, 4 x hardware threads, batch_max_tasks) with batching, max(4, 2 x hardware threads)
+// without; at most 4096.
+int HandlerThreads(const ServerOptions& options);
 
 // One line describing the configuration, for the startup log.
 std::string Summary(const ServerOptions& options);

@@ -62,6 +62,10 @@ ABSL_FLAG(int32_t, speculative, 1,
 ABSL_FLAG(double, accept_rate, 0.7,
           "With --speculative > 1: chance each draft token is accepted; rejected tokens are "
           "rolled back with TruncateSequence");
+ABSL_FLAG(int32_t, rewind, 0,
+          "Every N decode steps, truncate each sequence back to its prefill length "
+          "(TruncateSequence), so that a long timed run decodes at a steady length instead of a "
+          "growing one; 0: never");
 ABSL_FLAG(int32_t, heads, 4, "Index heads H per query token");
 ABSL_FLAG(int32_t, topk, 16, "Blocks selected per (token, head)");
 ABSL_FLAG(int32_t, init_blocks, -1, "Leading blocks always selected; -1: the server's default");
@@ -129,6 +133,10 @@ ABSL_FLAG(std::string, summary, "full",
 ABSL_FLAG(std::string, json, "", "Write the JSON report here ('-': stdout)");
 ABSL_FLAG(std::string, csv, "", "Write the CSV report (one row per stage) here ('-': stdout)");
 ABSL_FLAG(std::string, html, "", "Write the HTML report (charts; opens offline) here");
+ABSL_FLAG(bool, server_stats, true,
+          "Read every server's GetStats when each stage's warm-up ends and when it ends, and "
+          "report the difference: backend selections and their time (the kernels), spans per "
+          "selection, handler queue time and server-side latency by RPC");
 ABSL_FLAG(int64_t, max_errors, 0,
           "Exit status 1 when more decode requests than this failed (-1: never)");
 
@@ -179,14 +187,15 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& FlagSection
        {"servers", "connections", "timeout", "wait", "tls", "tls_ca", "tls_cert", "tls_key",
         "tls_server_name", "token", "virtual_nodes"}},
       {"Workload",
-       {"prefill", "prefill_chunk", "decode_steps", "speculative", "accept_rate", "heads", "topk",
+       {"prefill", "prefill_chunk", "decode_steps", "speculative", "accept_rate", "rewind",
+        "heads", "topk",
         "init_blocks", "local_blocks", "layers", "dtype", "attention_pages", "values", "style",
         "batch", "seed"}},
       {"Load",
        {"concurrency", "rate", "arrivals", "duration", "warmup", "requests", "sequences", "sweep",
         "sweep_max_latency", "sweep_percentile", "sweep_max_error_rate", "interval"}},
       {"Correctness", {"check", "tolerance"}},
-      {"Output", {"progress", "summary", "json", "csv", "html", "max_errors"}},
+      {"Output", {"progress", "summary", "json", "csv", "html", "server_stats", "max_errors"}},
   };
   return *sections;
 }
@@ -318,6 +327,7 @@ absl::StatusOr<Plan> PlanFromFlags() {
   w.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   w.speculative = absl::GetFlag(FLAGS_speculative);
   w.accept_rate = absl::GetFlag(FLAGS_accept_rate);
+  w.rewind = absl::GetFlag(FLAGS_rewind);
   w.heads = absl::GetFlag(FLAGS_heads);
   w.topk = absl::GetFlag(FLAGS_topk);
   w.init_blocks = absl::GetFlag(FLAGS_init_blocks);
@@ -428,6 +438,7 @@ absl::StatusOr<Plan> PlanFromFlags() {
   p.load.tolerance = absl::GetFlag(FLAGS_tolerance);
   if (!(p.load.tolerance >= 0)) return absl::InvalidArgumentError("--tolerance must be >= 0");
   p.load.seed = w.seed;
+  p.load.server_stats = absl::GetFlag(FLAGS_server_stats);
   const std::string summary = absl::GetFlag(FLAGS_summary);
   if (summary != "full" && summary != "brief" && summary != "off") {
     return absl::InvalidArgumentError("--summary must be full, brief or off");
@@ -508,8 +519,7 @@ int main(int argc, char** argv) {
   int max_workers = 0;
   for (const bench::StageSetup& s : plan->sweep.stages)
     max_workers = std::max(max_workers, s.concurrency);
-  const int64_t pages_each =
-      bench::BlocksFor(spec.prefill.Max() + spec.decode_steps.Max() * spec.speculative);
+  const int64_t pages_each = bench::BlocksFor(bench::LongestSequence(spec));
   const int64_t pages_needed = pages_each * spec.batch * max_workers;
   int64_t pages_total = 0;
   for (const v1::ServerInfoResponse& i : *infos)
@@ -551,7 +561,10 @@ int main(int argc, char** argv) {
   report.workload = {
       {"prefill",
        absl::StrCat(spec.prefill.ToString(), " tokens (chunks of ", spec.prefill_chunk, ")")},
-      {"decode steps", spec.decode_steps.ToString()},
+      {"decode steps", spec.rewind > 0 ? absl::StrCat(spec.decode_steps.ToString(),
+                                                       ", back to the prefill every ",
+                                                       spec.rewind)
+                                        : spec.decode_steps.ToString()},
       {"speculative",
        spec.speculative > 1
            ? absl::StrCat(spec.speculative, " tokens/step, accept rate ", spec.accept_rate)

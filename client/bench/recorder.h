@@ -19,6 +19,7 @@
 
 #include "client/bench/histogram.h"
 #include "client/bench/pacer.h"
+#include "client/bench/server_stats.h"
 
 namespace indexer::bench {
 
@@ -90,6 +91,7 @@ struct StageResult {
   CheckTotals check;
   bool checked = false;
   bool over_threshold = false;  // sweep: this stage crossed the latency threshold
+  ServerStatsWindow server;     // the servers' own figures over the measured window (GetStats)
 
   const OpTotals& decode() const { return ops[static_cast<int>(Op::kDecode)]; }
   // Successful measured decode requests per second.

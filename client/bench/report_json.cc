@@ -36,6 +36,40 @@ void CodesObject(JsonWriter& j, const std::map<int, int64_t>& codes) {
   j.EndObject();
 }
 
+// The servers' own figures over the measured window (GetStats), in microseconds.
+void ServerStatsObject(JsonWriter& j, const StageResult& r) {
+  const ServerStatsWindow& w = r.server;
+  j.BeginObject();
+  j.Field("available", w.available);
+  if (!w.available) {
+    j.Field("note", w.note);
+    j.EndObject();
+    return;
+  }
+  const ServerCounters& d = w.delta;
+  const int64_t requests = r.decode().ok + r.decode().errors;
+  j.Field("backend_selections", d.select_seconds.count);
+  j.Field("backend_select_s", d.select_seconds.sum);
+  j.Field("backend_select_mean_us", d.select_seconds.mean() * 1e6);
+  j.Field("backend_select_us_per_request",
+          requests > 0 ? d.select_seconds.sum * 1e6 / static_cast<double>(requests) : 0.0);
+  j.Field("spans_per_selection", d.select_spans.mean());
+  j.Field("queue_mean_us", d.queue_seconds.mean() * 1e6);
+  j.Field("batch_items_mean", d.batch_items.mean());
+  // The select batcher (servers with --batching; zero elsewhere).
+  j.Field("calls_per_launch", d.batch_calls.mean());
+  j.Field("batch_queue_mean_us", d.batch_queue_seconds.mean() * 1e6);
+  j.Key("requests").BeginObject();
+  for (const auto& [rpc, t] : d.request_seconds) {
+    j.Key(rpc).BeginObject(true);
+    j.Field("count", t.count);
+    j.Field("mean_us", t.mean() * 1e6);
+    j.EndObject();
+  }
+  j.EndObject();
+  j.EndObject();
+}
+
 void StageObject(JsonWriter& j, const StageResult& r) {
   const OpTotals& d = r.decode();
   j.BeginObject();
@@ -138,6 +172,8 @@ void StageObject(JsonWriter& j, const StageResult& r) {
     j.Key("correctness").Null();
   }
   j.Field("over_threshold", r.over_threshold);
+  j.Key("server_stats");
+  ServerStatsObject(j, r);
   j.EndObject();
 }
 

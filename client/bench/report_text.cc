@@ -176,6 +176,23 @@ std::string TextSummary(const BenchReport& report) {
       }
       absl::StrAppend(&out, line, "\n");
     }
+    if (r.server.available) {
+      const ServerCounters& sd = r.server.delta;
+      std::string line = absl::StrFormat(
+          "  server           %s backend selections, mean %.1f us (%.1f spans each); handler "
+          "queue mean %.1f us",
+          Count(sd.select_seconds.count), sd.select_seconds.mean() * 1e6, sd.select_spans.mean(),
+          sd.queue_seconds.mean() * 1e6);
+      if (sd.batch_calls.count > 0) {
+        absl::StrAppendFormat(&line, "; batcher %.1f calls per launch, queue mean %.1f us",
+                              sd.batch_calls.mean(), sd.batch_queue_seconds.mean() * 1e6);
+      }
+      for (const auto& [rpc, t] : sd.request_seconds) {
+        absl::StrAppendFormat(&line, "; %s %s calls, mean %.1f us", rpc, Count(t.count),
+                              t.mean() * 1e6);
+      }
+      absl::StrAppend(&out, line, " (GetStats over the measured window)\n");
+    }
     absl::StrAppendFormat(&out, "  sequences        %s started, %s released; stage took %.2f s\n",
                           Count(r.sequences_started), Count(r.sequences_released), r.wall_s);
     if (r.checked) {

@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -12,6 +13,7 @@
 #include "absl/strings/strip.h"
 #include "client/bench/pacer.h"
 #include "client/bench/scheduler.h"
+#include "client/bench/server_stats.h"
 
 namespace indexer::bench {
 namespace {
@@ -148,13 +150,30 @@ absl::StatusOr<StageResult> RunStage(const StageSetup& setup, const WorkloadSpec
     done_cv.notify_all();
   };
 
+  // The servers' figures when the warm-up ends (read by this thread while the workers run).
+  const client::CallOptions stats_call = client::CallOptions::Timeout(options.timeout);
+  std::optional<absl::StatusOr<ServerCounters>> stats_before;
+  if (!options.server_stats) stats_before = absl::UnimplementedError("not asked for");
+
   std::vector<std::thread> threads;
   threads.reserve(static_cast<size_t>(setup.concurrency));
   for (int w = 0; w < setup.concurrency; ++w) threads.emplace_back(worker, w);
   {
     std::unique_lock<std::mutex> lock(done_mu);
     while (running > 0) {
-      done_cv.wait_for(lock, std::chrono::milliseconds(500), [&] { return running == 0; });
+      Clock::time_point wake = Clock::now() + std::chrono::milliseconds(500);
+      const bool await_warmup = !stats_before.has_value() && gate.open();
+      if (await_warmup) {
+        wake = std::min(wake, recorder.warmup_end());
+      } else if (!stats_before.has_value()) {
+        wake = Clock::now() + std::chrono::milliseconds(5);  // look again soon: the gate may open
+      }
+      done_cv.wait_until(lock, wake, [&] { return running == 0; });
+      if (running > 0 && await_warmup && Clock::now() >= recorder.warmup_end()) {
+        lock.unlock();
+        stats_before = ReadServerCounters(*connections[0], stats_call);
+        lock.lock();
+      }
       if (running > 0 && progress) {
         lock.unlock();
         ProgressSnapshot snapshot = recorder.Snapshot();
@@ -165,7 +184,24 @@ absl::StatusOr<StageResult> RunStage(const StageSetup& setup, const WorkloadSpec
     }
   }
   for (std::thread& t : threads) t.join();
-  return recorder.Finish(setup, offset_s, Seconds(Clock::now() - stage_begin), options.check);
+  StageResult result =
+      recorder.Finish(setup, offset_s, Seconds(Clock::now() - stage_begin), options.check);
+  if (!stats_before.has_value()) {
+    result.server.note = "the stage ended within its warm-up";
+  } else if (!stats_before->ok()) {
+    result.server.note = std::string(stats_before->status().message());
+  } else {
+    absl::StatusOr<ServerCounters> after = ReadServerCounters(*connections[0], stats_call);
+    if (!after.ok()) {
+      result.server.note = std::string(after.status().message());
+    } else if (!after->has_backend) {
+      result.server.note = "the servers report no backend figures";
+    } else {
+      result.server.available = true;
+      result.server.delta = Difference(*after, **stats_before);
+    }
+  }
+  return result;
 }
 
 absl::StatusOr<std::vector<double>> ParseSweepValues(absl::string_view text) {

@@ -30,6 +30,9 @@ struct LoadOptions {
   bool check = false;
   double tolerance = 1e-2;
   uint64_t seed = 1;
+  // Read the servers' GetStats when the warm-up ends and when the stage ends, and report the
+  // difference (StageResult::server).
+  bool server_stats = true;
 };
 
 // Progress callback: called about twice a second from the stage's own thread.

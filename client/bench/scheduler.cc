@@ -194,22 +194,27 @@ void SimulatedScheduler::FinishStep(Slot& slot) {
     std::bernoulli_distribution accept(spec.accept_rate);
     while (accepted < spec.speculative && accept(rng_)) ++accepted;
     const int drop = spec.speculative - accepted;
-    if (drop > 0) {
-      const int64_t length = slot.length - drop;
-      const Clock::time_point t0 = Clock::now();
-      absl::StatusOr<v1::TruncateSequenceResponse> r =
-          client_.TruncateSequence(slot.plan.id, static_cast<uint32_t>(length), ctx_.call);
-      ctx_.recorder->RecordOther(Op::kTruncate, Clock::now() - t0, CodeOf(r.status()));
-      if (r.ok()) {
-        slot.length = length;
-        if (static_cast<int64_t>(slot.attn.size()) > BlocksFor(length)) {
-          slot.attn.resize(static_cast<size_t>(BlocksFor(length)));
-        }
-        if (slot.host) slot.host->Truncate(length);
-      }
-    }
+    if (drop > 0) Truncate(slot, slot.length - drop);
   }
-  if (++slot.steps_done >= slot.plan.decode_steps) slot.finished = true;
+  if (++slot.steps_done >= slot.plan.decode_steps) {
+    slot.finished = true;
+  } else if (spec.rewind > 0 && slot.steps_done % spec.rewind == 0 &&
+             slot.length > slot.plan.prefill_tokens) {
+    Truncate(slot, slot.plan.prefill_tokens);  // back to the prefill: a steady length
+  }
+}
+
+void SimulatedScheduler::Truncate(Slot& slot, int64_t length) {
+  const Clock::time_point t0 = Clock::now();
+  absl::StatusOr<v1::TruncateSequenceResponse> r =
+      client_.TruncateSequence(slot.plan.id, static_cast<uint32_t>(length), ctx_.call);
+  ctx_.recorder->RecordOther(Op::kTruncate, Clock::now() - t0, CodeOf(r.status()));
+  if (!r.ok()) return;
+  slot.length = length;
+  if (static_cast<int64_t>(slot.attn.size()) > BlocksFor(length)) {
+    slot.attn.resize(static_cast<size_t>(BlocksFor(length)));
+  }
+  if (slot.host) slot.host->Truncate(length);
 }
 
 void SimulatedScheduler::Decode(Clock::time_point intended, bool measured, bool open_loop) {

@@ -3,7 +3,9 @@
 // chunks), decoded step by step (each step appends `speculative` tokens' keys of every layer and
 // selects blocks for them on each selected layer; rejected speculative tokens are rolled back
 // with TruncateSequence) and released after its decode steps, and its slot is refilled with the
-// next sequence from the SequenceSource.
+// next sequence from the SequenceSource. With `rewind`, every so many steps a sequence is
+// truncated back to its prefill length, so that it decodes at a steady length however long the
+// run.
 //
 // A decode request is one RPC: in the unary style one SelectBlocks for one (sequence, layer) of a
 // step (the layer-0 call carries the append), in the batch style one Batch call holding the
@@ -86,8 +88,11 @@ class SimulatedScheduler {
   // item's status code.
   int Apply(const PendingItem& item, const v1::BatchItemResult& result, int64_t* selections,
             int64_t* tokens);
-  // After a sequence's step: speculative acceptance (TruncateSequence) and step counting.
+  // After a sequence's step: speculative acceptance (TruncateSequence), step counting and
+  // --rewind.
   void FinishStep(Slot& slot);
+  // TruncateSequence to `length` tokens, recorded; on success the slot follows.
+  void Truncate(Slot& slot, int64_t length);
 
   const SchedulerContext& ctx_;
   client::ShardedClient& client_;

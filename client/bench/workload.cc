@@ -281,14 +281,21 @@ absl::Status Validate(WorkloadSpec* spec, const ServerShape& shape) {
     return absl::InvalidArgumentError(
         absl::StrCat("--decode_steps (", spec->decode_steps.ToString(), ") must be >= 1"));
   }
-  const int64_t longest = spec->prefill.Max() + spec->decode_steps.Max() * spec->speculative;
+  if (spec->rewind < 0) return absl::InvalidArgumentError("--rewind must be >= 0");
+  const int64_t longest = LongestSequence(*spec);
   if (longest > shape.max_tokens_per_sequence) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a sequence may reach ", longest, " tokens (prefill ", spec->prefill.ToString(),
-        " + decode steps x speculative); the server's max_tokens_per_sequence is ",
-        shape.max_tokens_per_sequence));
+        " + decode steps (or --rewind) x speculative); the server's max_tokens_per_sequence is ",
+        shape.max_tokens_per_sequence, ": lower --decode_steps or set --rewind"));
   }
   return absl::OkStatus();
+}
+
+int64_t LongestSequence(const WorkloadSpec& spec) {
+  int64_t steps = spec.decode_steps.Max();
+  if (spec.rewind > 0) steps = std::min<int64_t>(steps, spec.rewind);
+  return spec.prefill.Max() + steps * spec.speculative;
 }
 
 kernels::SelectParams EffectiveParams(const WorkloadSpec& spec, const ServerShape& shape) {

@@ -71,6 +71,9 @@ struct WorkloadSpec {
   int prefill_chunk = 2048;  // tokens per AppendKeys call of a prefill
   int speculative = 1;       // tokens appended and queried per decode step (n)
   double accept_rate = 0.7;  // speculative > 1: chance that each draft token is accepted
+  // Every `rewind` decode steps a sequence is truncated back to its prefill length (0: never),
+  // so that a long timed run decodes at a steady length instead of a growing one.
+  int rewind = 0;
   int heads = 4;             // index heads H per query token
   int topk = 16;
   int init_blocks = -1;   // -1: the server's default
@@ -139,6 +142,10 @@ class ValuePool {
 
 // The wire bytes of a slice in `dtype` (bf16: its bits; fp32: its floats).
 std::string PackSlice(const ValuePool::Slice& slice, v1::ValueDtype dtype);
+
+// The most tokens a sequence of `spec` reaches: its longest prefill plus the decode steps it
+// takes before it is released or rewound, times the speculative tokens of each.
+int64_t LongestSequence(const WorkloadSpec& spec);
 
 // Blocks a sequence of `tokens` tokens occupies.
 inline int64_t BlocksFor(int64_t tokens) {

@@ -1,12 +1,28 @@
-// CudaBackend: the key cache in GPU memory (one cudaMalloc at start) and the CUDA selectors.
-// What `--device cuda` (or auto, on a machine with a GPU) runs on.
+// CudaBackend: the key cache in GPU memory (one cudaMalloc at start) and the CUDA selectors, on
+// one device slot: device `slot.ordinal`, holding global page ids
+// [slot.first_page, slot.first_page + slot.num_pages). What `--device cuda` (or auto, on a
+// machine with a GPU) runs on; a server with several GPUs builds one backend per device.
 //
-// Thread-safe: calls are serialised on one stream (the decode batcher of a later issue merges
-// concurrent selections before they get here). CUDA failures come back as INTERNAL statuses
-// carrying CUDA's message; nothing aborts the process.
+// Thread-safe and concurrent: every call takes one of the backend's lanes (each with its own
+// stream, pinned staging, device buffers, score scratch, counters and graph cache), waiting
+// while all are busy, so that concurrent selections overlap one's copies with another's
+// kernels. Every call first makes the backend's device current on the calling thread (and
+// restores the caller's device on return), and returns only once its work on the device is
+// complete, so what one call wrote is visible to any later call, whatever lane it takes.
+//
+// Page ids are global everywhere: KeyWrite and SelectTask block tables, CopyPage, ReadPages,
+// WritePages. The backend subtracts slot.first_page while staging; an id outside the slot is a
+// caller's bug and comes back INTERNAL before any device memory is touched. Attention pages are
+// not ids of this pool and pass through unchanged.
+//
+// A selection step (input copy, selector kernels, result copy) runs as one CUDA graph launch
+// when graphs are on (select_graph.h), else as separate enqueues; answers are identical.
+// CUDA failures come back as INTERNAL statuses carrying CUDA's message; nothing aborts.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -18,9 +34,48 @@ namespace indexer::engine {
 // OK when a CUDA device can be used; otherwise why not (no driver, no device, ...).
 absl::Status CudaDeviceAvailable();
 
-// Builds the backend on device 0: allocates and clears the whole pool. RESOURCE_EXHAUSTED when
-// the pool does not fit the free device memory; INVALID_ARGUMENT when the configuration needs
-// more shared memory than the device has (max_tokens_per_sequence too large).
-absl::StatusOr<std::unique_ptr<KeyCacheBackend>> MakeCudaBackend(const EngineConfig& config);
+// Visible CUDA devices; 0 when there are none or CUDA cannot be initialised (never fails loudly).
+int CudaDeviceCount();
+
+// How a CudaBackend runs; EngineConfig does not carry these (they change no answer).
+struct CudaBackendOptions {
+  int lanes = 2;             // concurrent calls on the device (1 to 8)
+  bool use_graphs = true;    // one graph launch per selection step
+  int graphs_per_lane = 64;  // LRU bound of each lane's graph cache
+
+  // The defaults, overridden by INDEXER_CUDA_GRAPHS (0 or 1) and INDEXER_CUDA_LANES (1 to 8).
+  // The environment is read once per process; values out of range are ignored.
+  static CudaBackendOptions FromEnvironment();
+};
+
+// What FromEnvironment does with the two variables' values (nullptr: not set).
+CudaBackendOptions ParseCudaBackendOptions(const char* graphs, const char* lanes);
+
+// Builds the backend on device slot.ordinal with slot.num_pages pages (config.capacity_pages
+// when slot.num_pages is 0), allocated and cleared. INVALID_ARGUMENT for a slot that is not
+// usable (ordinal not visible, negative first_page, ids past int32) or a configuration that
+// needs more shared memory than the device has (max_tokens_per_sequence too large);
+// RESOURCE_EXHAUSTED when the pool does not fit the device's free memory. Options come from
+// CudaBackendOptions::FromEnvironment() unless given.
+absl::StatusOr<std::unique_ptr<KeyCacheBackend>> MakeCudaBackend(const EngineConfig& config,
+                                                                 const DeviceSlot& slot);
+absl::StatusOr<std::unique_ptr<KeyCacheBackend>> MakeCudaBackend(const EngineConfig& config,
+                                                                 const DeviceSlot& slot,
+                                                                 const CudaBackendOptions& options);
+
+// Monotonic counts of what a CudaBackend did, for tests and diagnostics.
+struct CudaBackendCounters {
+  int lanes = 0;
+  int peak_busy_lanes = 0;         // most lanes ever held at once
+  int64_t selects = 0;             // Select calls that ran kernels
+  int64_t graph_launches = 0;      // ... of which as one graph launch
+  int64_t graph_builds = 0;        // graphs instantiated
+  int64_t graph_node_updates = 0;  // node parameter updates of cached graphs
+  int64_t graph_fallbacks = 0;     // steps run without a graph after a graph build/update failed
+  int64_t buffer_growths = 0;      // lanes' buffers allocated anew, seen by a Select (drops graphs)
+};
+
+// The counters of a backend that MakeCudaBackend built; nullopt for any other backend.
+std::optional<CudaBackendCounters> GetCudaBackendCounters(const KeyCacheBackend& backend);
 
 }  // namespace indexer::engine

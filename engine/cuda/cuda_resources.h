@@ -1,6 +1,8 @@
-// RAII owners of CUDA resources (device memory, pinned host memory, streams) and the one
+// RAII owners of CUDA resources (device memory, pinned host memory, streams, graphs) and the one
 // translation of cudaError_t into absl::Status (INTERNAL, carrying CUDA's message).
-// Not thread-safe; each owner belongs to one CudaBackend, which serialises their use.
+// Not thread-safe; each owner belongs to one lane of a CudaBackend (or to the backend itself),
+// used by one call at a time. Owners free their resource on whatever device is current: the
+// backend makes its own device current before it destroys them.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -97,6 +99,7 @@ class PinnedBuffer {
   }
   template <typename T = void>
   T* get() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
 
  private:
   void* ptr_ = nullptr;
@@ -119,6 +122,44 @@ class CudaStream {
 
  private:
   cudaStream_t stream_ = nullptr;
+};
+
+// Owns a graph (its nodes' handles stay valid while it lives) and, once instantiated, its
+// executable graph. Movable, so caches can hold them by value.
+class CudaGraph {
+ public:
+  CudaGraph() = default;
+  ~CudaGraph() { Reset(); }
+  CudaGraph(CudaGraph&& o) noexcept
+      : graph_(std::exchange(o.graph_, nullptr)), exec_(std::exchange(o.exec_, nullptr)) {}
+  CudaGraph& operator=(CudaGraph&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      graph_ = std::exchange(o.graph_, nullptr);
+      exec_ = std::exchange(o.exec_, nullptr);
+    }
+    return *this;
+  }
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+
+  cudaError_t Create() {
+    Reset();
+    return cudaGraphCreate(&graph_, 0);
+  }
+  cudaError_t Instantiate() { return cudaGraphInstantiate(&exec_, graph_, 0); }
+  void Reset() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+    exec_ = nullptr;
+    graph_ = nullptr;
+  }
+  cudaGraph_t graph() const { return graph_; }
+  cudaGraphExec_t exec() const { return exec_; }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
 };
 
 }  // namespace indexer::engine

@@ -7,10 +7,10 @@
 
 namespace indexer::kernels::cuda {
 
+// Stores the i-th group of 8 values of write `a`.
 template <int D, KeyStorage S>
-__global__ void AppendKeysKernel(const AppendArgs a) {
+__device__ __forceinline__ void AppendKeyVector(const AppendArgs& a, int64_t i) {
   constexpr int kVecs = D / 8;  // 8 values per thread
-  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const int64_t total = a.num_tokens * a.layer_count * kVecs;
   if (i >= total) return;
   const int v = static_cast<int>(i % kVecs);
@@ -32,6 +32,22 @@ __global__ void AppendKeysKernel(const AppendArgs a) {
       out[k / 4] |= uint32_t{FloatToFp8E4M3(Bf16ToFloat(b))} << (8 * (k % 4));
     }
     reinterpret_cast<uint2*>(layer + slot * D)[v] = make_uint2(out[0], out[1]);
+  }
+}
+
+template <int D, KeyStorage S>
+__global__ void AppendKeysKernel(const AppendArgs a) {
+  AppendKeyVector<D, S>(a, int64_t{blockIdx.x} * blockDim.x + threadIdx.x);
+}
+
+// Many writes in one launch: write `first + blockIdx.y` of `writes` (device memory); the grid's
+// x dimension covers the largest of them.
+template <int D, KeyStorage S>
+__global__ void AppendKeysBatchKernel(const AppendArgs* writes, int first) {
+  const AppendArgs a = writes[first + blockIdx.y];
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+       i < a.num_tokens * a.layer_count * (D / 8); i += int64_t{gridDim.x} * blockDim.x) {
+    AppendKeyVector<D, S>(a, i);
   }
 }
 

@@ -30,18 +30,25 @@ SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vecto
   return b;
 }
 
+cudaError_t DescribeSelectBatch(const SelectBatch& b, const SpanDesc* d_descs, KeyStorage storage,
+                                int head_dim, PageTableParams pt, float* scores, int* counters,
+                                LaunchList* out) {
+  cudaError_t err = DescribeDecodeSelect(d_descs, static_cast<int>(b.n_decode), b.decode, storage,
+                                         head_dim, pt, scores, counters, out);
+  if (err != cudaSuccess) return err;
+  err = DescribePrefillSelect(d_descs + b.n_decode, static_cast<int>(b.n_prefill), b.prefill,
+                              storage, head_dim, pt, scores, out);
+  if (err != cudaSuccess) return err;
+  return DescribeExactSelect(d_descs + b.n_decode + b.n_prefill, static_cast<int>(b.n_exact),
+                             b.exact, storage, head_dim, pt, scores, out);
+}
+
 cudaError_t LaunchSelectBatch(const SelectBatch& b, const SpanDesc* d_descs, KeyStorage storage,
                               int head_dim, PageTableParams pt, float* scores, int* counters,
                               cudaStream_t stream) {
-  // The three groups share `scores`: they run one after the other on the stream.
-  cudaError_t err = LaunchDecodeSelect(d_descs, static_cast<int>(b.n_decode), b.decode, storage,
-                                       head_dim, pt, scores, counters, stream);
-  if (err != cudaSuccess) return err;
-  err = LaunchPrefillSelect(d_descs + b.n_decode, static_cast<int>(b.n_prefill), b.prefill,
-                            storage, head_dim, pt, scores, stream);
-  if (err != cudaSuccess) return err;
-  return LaunchExactSelect(d_descs + b.n_decode + b.n_prefill, static_cast<int>(b.n_exact),
-                           b.exact, storage, head_dim, pt, scores, stream);
+  LaunchList list;
+  const cudaError_t err = DescribeSelectBatch(b, d_descs, storage, head_dim, pt, scores, counters, &list);
+  return err != cudaSuccess ? err : list.Enqueue(stream);
 }
 
 }  // namespace indexer::kernels::cuda

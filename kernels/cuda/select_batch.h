@@ -1,6 +1,6 @@
 // SelectBatch: the host side of one batched selection on the GPU, shared by the CUDA backend,
 // the GPU tests and the benchmark: orders spans by the path they take (decode, prefill, exact),
-// plans each group, and launches the three selectors on one stream.
+// plans each group, and describes or launches the three selectors on one stream.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "kernels/cuda/launchers.h"
 #include "kernels/cuda/span_desc.h"
 
 namespace indexer::kernels::cuda {
@@ -25,8 +26,15 @@ struct SelectBatch {
 SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
                             int num_sms, int head_dim);
 
-// Launches the groups of `batch`, whose descriptors are at `d_descs` (device, same order as
-// batch.descs). `scores` holds batch.ScoreFloats() floats; `counters` batch.n_decode ints, zero.
+// Describes the launches of the groups of `batch` (appended to *out, in stream order), whose
+// descriptors are at `d_descs` (device, same order as batch.descs). `scores` holds
+// batch.ScoreFloats() floats; `counters` batch.n_decode ints, zero. The groups share `scores`:
+// they must run one after the other on one stream (or as a chain of graph nodes).
+cudaError_t DescribeSelectBatch(const SelectBatch& batch, const SpanDesc* d_descs, KeyStorage storage,
+                                int head_dim, PageTableParams pt, float* scores, int* counters,
+                                LaunchList* out);
+
+// DescribeSelectBatch, then LaunchList::Enqueue on `stream`.
 cudaError_t LaunchSelectBatch(const SelectBatch& batch, const SpanDesc* d_descs, KeyStorage storage,
                               int head_dim, PageTableParams pt, float* scores, int* counters,
                               cudaStream_t stream);

@@ -285,6 +285,55 @@ TEST_F(BenchBinaryTest, CountLimits) {
   ExpectAllReleased();
 }
 
+// One sequence per worker, decoded far past what a sequence may hold: --rewind truncates each
+// back to its prefill every 5 steps (every answer still exact), no sequence is replaced, and the
+// servers' own figures over the measured window come back (two servers, summed).
+TEST_F(BenchBinaryTest, RewindKeepsTheLengthAndServerStatsCoverTheWindow) {
+  const std::string json = ::testing::TempDir() + "/rewind.json";
+  const std::vector<std::string> args = {
+      "--style=unary", "--layers=1",       "--batch=1",        "--concurrency=3",
+      "--prefill=300", "--rewind=5",       "--duration=1200ms", "--warmup=300ms",
+      "--decode_steps=fixed:2000000",      "--json=" + json};
+  BenchRun r = RunBench(Small(args));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("back to the prefill every 5"));
+  EXPECT_THAT(r.out, HasSubstr("backend selections, mean"));
+  const Struct st = CheckedStage(ParseJson(ReadFile(json)), 0);
+  EXPECT_EQ(N(S(st, "sequences"), "started"), 3);  // nobody finished: no new prefill
+  const double ok = N(S(st, "requests"), "ok");
+  const double all = ok + N(S(st, "requests"), "warmup_excluded");
+  const double truncates = N(S(S(st, "operations"), "truncate"), "ok");
+  EXPECT_GE(truncates, all / 5 - 3);
+  EXPECT_LE(truncates, all / 5 + 3);
+
+  const Struct& server = S(st, "server_stats");
+  ASSERT_TRUE(F(server, "available").bool_value()) << F(server, "note").string_value();
+  EXPECT_GT(N(server, "backend_selections"), 0);
+  EXPECT_GT(N(server, "backend_select_mean_us"), 0);
+  EXPECT_GT(N(server, "backend_select_us_per_request"), 0);
+  EXPECT_GE(N(server, "spans_per_selection"), 1);
+  // The window starts when the warm-up ends: the servers answered about the measured requests
+  // (a few in flight at either edge, and those answered while the first GetStats was read).
+  const double selects = N(S(S(server, "requests"), "SelectBlocks"), "count");
+  EXPECT_GE(selects, 0.9 * ok - 5);
+  EXPECT_LE(selects, ok + 5);
+  EXPECT_EQ(S(server, "requests").fields().count("GetStats"), 0u);
+  ExpectAllReleased();
+
+  // Without --rewind that many steps would outgrow a sequence: refused before any call.
+  std::vector<std::string> no_rewind = args;
+  no_rewind[5] = "--rewind=0";
+  r = RunBench(Small(no_rewind));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--rewind"));
+  EXPECT_EQ(RunBench(Small({"--rewind=-2"})).code, 2);
+
+  r = RunBench(Small({"--duration=500ms", "--warmup=100ms", "--noserver_stats", "--json=" + json}));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_FALSE(F(S(CheckedStage(ParseJson(ReadFile(json)), 0), "server_stats"), "available")
+                   .bool_value());
+}
+
 TEST_F(BenchBinaryTest, UsageAndConnectionErrors) {
   EXPECT_EQ(RunBench({"--no_such_flag=1"}).code, 2);
   EXPECT_EQ(RunBench({"--servers=" + Servers(1), "--style=bogus"}).code, 2);

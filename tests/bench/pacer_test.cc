@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -61,8 +62,13 @@ TEST(ArrivalPacerTest, SameSeedSameTimes) {
 }
 
 // Workers take times, sleep until them and note when they woke: the achieved rate and gaps must
-// match the target within a few percent over about a second.
-void ExpectAchievedRate(Arrivals arrivals, double expected_cv_low, double expected_cv_high) {
+// match the target within a few percent over about a second. On a loaded machine (CI, a build
+// running beside it) the scheduler may hold a worker back for milliseconds and bunch its sends,
+// so a measurement that misses is repeated, up to three times in all; a pacer that is wrong
+// misses every time. `last` says whether failures are reported (the final attempt) or only
+// counted.
+bool AchievedRateOnce(Arrivals arrivals, double expected_cv_low, double expected_cv_high,
+                      bool last) {
   constexpr double kRate = 2000;
   constexpr double kSeconds = 1.0;
   constexpr int kWorkers = 4;
@@ -93,19 +99,40 @@ void ExpectAchievedRate(Arrivals arrivals, double expected_cv_low, double expect
   }
   for (std::thread& t : workers) t.join();
   std::sort(sent.begin(), sent.end());
-  ASSERT_GT(sent.size(), 100u);
+  EXPECT_GT(sent.size(), 100u);
+  if (sent.size() <= 100) return false;
   const double span = Seconds(sent.back() - sent.front());
   const double achieved = static_cast<double>(sent.size() - 1) / span;
+  const GapStats g = Gaps(sent);
+  std::sort(lateness.begin(), lateness.end());
+  const double median_late = lateness[lateness.size() / 2];
+  const bool ok = std::abs(achieved - kRate) <= 0.05 * kRate &&
+                  std::abs(static_cast<double>(sent.size()) - kRate * kSeconds) <= 0.05 * kRate * kSeconds &&
+                  std::abs(g.mean - 1 / kRate) <= 0.05 / kRate && g.cv >= expected_cv_low &&
+                  g.cv <= expected_cv_high && median_late < 2e-3;
+  if (ok || !last) {
+    if (!ok) {
+      std::printf("%s: attempt missed (rate %.1f, sends %zu, gap cv %.3f, median lateness %.2f ms); "
+                  "repeating\n", ArrivalsName(arrivals), achieved, sent.size(), g.cv,
+                  median_late * 1e3);
+    }
+    return ok;
+  }
   EXPECT_NEAR(achieved, kRate, 0.05 * kRate)
       << ArrivalsName(arrivals) << ": " << sent.size() << " sends in " << span << " s";
   EXPECT_NEAR(static_cast<double>(sent.size()), kRate * kSeconds, 0.05 * kRate * kSeconds);
-  const GapStats g = Gaps(sent);
   EXPECT_NEAR(g.mean, 1 / kRate, 0.05 / kRate);
   EXPECT_GE(g.cv, expected_cv_low) << ArrivalsName(arrivals);
   EXPECT_LE(g.cv, expected_cv_high) << ArrivalsName(arrivals);
   // Sends happen close to their intended times (the median worker wakes within 2 ms).
-  std::sort(lateness.begin(), lateness.end());
-  EXPECT_LT(lateness[lateness.size() / 2], 2e-3);
+  EXPECT_LT(median_late, 2e-3);
+  return false;
+}
+
+void ExpectAchievedRate(Arrivals arrivals, double expected_cv_low, double expected_cv_high) {
+  for (int attempt = 1; attempt <= 3; ++attempt) {
+    if (AchievedRateOnce(arrivals, expected_cv_low, expected_cv_high, attempt == 3)) return;
+  }
 }
 
 TEST(ArrivalPacerTest, ConstantRateIsAchieved) {

@@ -107,6 +107,29 @@ TEST(WorkloadTest, PlansAndValidation) {
   bad = spec;
   bad.decode_steps = LengthDistribution::Fixed(900);  // 200 + 900 > 1000 tokens
   EXPECT_FALSE(Validate(&bad, shape).ok());
+  bad.rewind = -1;
+  EXPECT_FALSE(Validate(&bad, shape).ok());
+}
+
+TEST(WorkloadTest, RewindBoundsTheLongestSequence) {
+  WorkloadSpec spec;
+  spec.prefill = *LengthDistribution::Parse("uniform:100-200");
+  spec.decode_steps = LengthDistribution::Fixed(900);
+  EXPECT_EQ(LongestSequence(spec), 200 + 900);
+  spec.speculative = 2;
+  EXPECT_EQ(LongestSequence(spec), 200 + 900 * 2);
+  spec.rewind = 64;  // back to the prefill every 64 steps: at most 64 steps' tokens on top
+  EXPECT_EQ(LongestSequence(spec), 200 + 64 * 2);
+  spec.rewind = 5000;  // released (after 900 steps) before the first rewind
+  EXPECT_EQ(LongestSequence(spec), 200 + 900 * 2);
+
+  ServerShape shape;
+  shape.max_tokens_per_sequence = 1000;
+  spec.decode_steps = LengthDistribution::Fixed(1000000000);
+  spec.rewind = 0;
+  EXPECT_FALSE(Validate(&spec, shape).ok());
+  spec.rewind = 128;
+  EXPECT_TRUE(Validate(&spec, shape).ok()) << Validate(&spec, shape);
 }
 
 TEST(WorkloadTest, ValuePoolIsBf16Exact) {

@@ -51,7 +51,15 @@ class FlakyBackend final : public KeyCacheBackend {
     if (fail_select) return absl::InternalError("injected Select failure");
     return inner_.Select(tasks, pt);
   }
+  // Counts the engine's batched key writes (the default implementation writes one by one, so
+  // fail_write still applies).
+  absl::Status WriteKeysBatch(std::span<const engine::KeyWrite> writes) override {
+    ++write_batches;
+    batched_writes += static_cast<int64_t>(writes.size());
+    return KeyCacheBackend::WriteKeysBatch(writes);
+  }
   std::atomic<bool> fail_write{false}, fail_copy{false}, fail_select{false};
+  std::atomic<int64_t> write_batches{0}, batched_writes{0};
 
  private:
   engine::CpuBackend inner_;
@@ -837,6 +845,56 @@ TEST_F(EngineTest, BackendFailuresUndoTheAppend) {
   AppendOk("b", 0, 70);
   ExpectSelects("a", 0, 3);
   ExpectSelects("b", 0, 3);
+}
+
+// A Batch step over many sequences writes every item's keys in one backend call (one device
+// round trip per wave); when that call fails, every item that wrote in it is taken back.
+TEST_F(EngineTest, AWaveWritesItsKeysInOneBackendCall) {
+  Init(TestConfig(), /*flaky=*/true);
+  for (const char* id : {"a", "b", "c"}) AppendOk(id, 0, 150);
+  const std::string q = Bytes(Keys(1));
+  std::vector<std::string> keys;
+  keys.reserve(8);
+  auto step_items = [&](bool record) {
+    std::vector<StepRequest> items;
+    keys.clear();
+    for (const char* id : {"a", "b", "c", "d"}) {
+      StepRequest s;
+      s.sequence_id = id;
+      const std::vector<uint16_t> k = Keys(2);
+      keys.push_back(Bytes(k));
+      s.append = AppendRequest{"", 0, false, WireDtype::kBf16, keys.back(), {}};
+      if (std::string(id) != "d") {  // "d": an append alone, creating the sequence
+        s.num_heads = 1;
+        s.query_dtype = WireDtype::kBf16;
+        s.queries = q;
+      }
+      if (record) ModelFor(id).Append(0, k);
+      items.push_back(s);
+    }
+    return items;
+  };
+  const int64_t batches = flaky_->write_batches, writes = flaky_->batched_writes;
+  auto results = engine_->Batch(step_items(/*record=*/true));
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(flaky_->write_batches - batches, 1);
+  EXPECT_EQ(flaky_->batched_writes - writes, 4);
+  EXPECT_TRUE(results[3]->created);
+  for (const char* id : {"a", "b", "c", "d"}) {
+    ExpectSelects(id, 0, 1);
+    ExpectSelects(id, 0, 2);
+  }
+
+  const Snapshot before = Take({"a", "b", "c", "d", "e"});
+  flaky_->fail_write = true;
+  std::vector<StepRequest> failing = step_items(/*record=*/false);
+  failing[3].sequence_id = "e";  // would be created
+  results = engine_->Batch(failing);
+  flaky_->fail_write = false;
+  for (const auto& r : results) EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+  ExpectUnchanged(before);
+  for (const char* id : {"a", "b", "c"}) ExpectSelects(id, 0, 3);
+  ExpectSelects("d", 0, 2);
 }
 
 // engine.h: "Every failed request leaves the engine exactly as it found it". A select whose

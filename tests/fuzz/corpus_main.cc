@@ -3,14 +3,20 @@
 // the inputs fuzzing found interesting stay regression tests. Arguments: files or folders
 // (every regular file inside, recursively). Exits 0 when every input ran (the target aborts on a
 // broken invariant), 1 when there was nothing to run or a file could not be read.
+// With INDEXER_FUZZ_DEVICE=cuda the inputs run on the CUDA backend; where no GPU is usable it
+// prints "SKIPPED" with the reason and exits 77 (ctest's SKIP_RETURN_CODE).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
 #include <vector>
+
+#include "engine/backend_factory.h"
+#include "engine/config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 
@@ -27,9 +33,24 @@ bool RunFile(const std::filesystem::path& path) {
   return true;
 }
 
+// Whether the backend INDEXER_FUZZ_DEVICE names can be built here (a one-page pool).
+bool DeviceUsable() {
+  const char* device = std::getenv("INDEXER_FUZZ_DEVICE");
+  if (device == nullptr || std::string(device) != "cuda") return true;
+  indexer::engine::EngineConfig config;
+  config.head_dim = 64;
+  config.capacity_pages = 1;
+  const auto backend = indexer::engine::MakeBackend(config, "cuda");
+  if (backend.ok()) return true;
+  std::printf("fuzz_corpus_test: SKIPPED: no usable CUDA device: %s\n",
+              backend.status().ToString().c_str());
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (!DeviceUsable()) return 77;
   int ran = 0;
   bool ok = true;
   for (int i = 1; i < argc; ++i) {

@@ -1,5 +1,6 @@
 // service_fuzzer: arbitrary requests, and sequences of requests, through the indexer's service
-// layer on the CPU backend.
+// layer on the CPU backend (or, with INDEXER_FUZZ_DEVICE=cuda, on the CUDA backend: the GPU
+// check replays the corpus that way).
 //
 // An input is a small script: one configuration byte, then operations decoded from the bytes
 // that follow (ScriptReader; bytes past the end read as zero). Every operation calls one of
@@ -47,7 +48,7 @@
 #include "absl/strings/string_view.h"
 #include "engine/config.h"
 #include "google/protobuf/stubs/logging.h"
-#include "engine/cpu_backend.h"
+#include "engine/backend_factory.h"
 #include "engine/engine.h"
 #include "indexer/v1/indexer.pb.h"
 #include "kernels/numeric.h"
@@ -123,36 +124,36 @@ class Rng {
 
 class FaultyBackend final : public engine::KeyCacheBackend {
  public:
-  explicit FaultyBackend(const engine::EngineConfig& config) : cpu_(config) {}
+  explicit FaultyBackend(std::unique_ptr<engine::KeyCacheBackend> inner) : inner_(std::move(inner)) {}
 
   // The `n`-th backend call from now (1 = the next) fails with INTERNAL; 0 disarms.
   void FailCall(int n) { countdown_ = n; }
   bool armed() const { return countdown_ > 0; }
 
-  std::string name() const override { return cpu_.name(); }
-  std::string device() const override { return cpu_.device(); }
+  std::string name() const override { return inner_->name(); }
+  std::string device() const override { return inner_->device(); }
   // A failed write has stored part of its keys (the first half), as a real failure might.
   absl::Status WriteKeys(const engine::KeyWrite& write) override {
     if (Trip()) {
       engine::KeyWrite half = write;
       half.num_tokens = write.num_tokens / 2;
-      (void)cpu_.WriteKeys(half);
+      (void)inner_->WriteKeys(half);
       return Injected("WriteKeys");
     }
-    return cpu_.WriteKeys(write);
+    return inner_->WriteKeys(write);
   }
   absl::Status CopyPage(int32_t src, int32_t dst) override {
     if (Trip()) return Injected("CopyPage");
-    return cpu_.CopyPage(src, dst);
+    return inner_->CopyPage(src, dst);
   }
   absl::Status Select(std::span<const engine::SelectTask> tasks,
                       const kernels::PageTableParams& page_table) override {
     if (Trip()) return Injected("Select");
-    return cpu_.Select(tasks, page_table);
+    return inner_->Select(tasks, page_table);
   }
   // Reads are the fuzzer's own (never failed).
   absl::Status ReadPages(std::span<const int32_t> pages, uint8_t* dst) override {
-    return cpu_.ReadPages(pages, dst);
+    return inner_->ReadPages(pages, dst);
   }
 
  private:
@@ -164,7 +165,7 @@ class FaultyBackend final : public engine::KeyCacheBackend {
     return absl::InternalError(absl::StrCat("injected fault in ", what));
   }
 
-  engine::CpuBackend cpu_;
+  std::unique_ptr<engine::KeyCacheBackend> inner_;
   std::atomic<int> countdown_{0};
 };
 
@@ -217,6 +218,15 @@ bool Tracing() {
   return trace;
 }
 
+// The backend under the fault injector: INDEXER_FUZZ_DEVICE (cpu, cuda or auto; default cpu).
+const char* Device() {
+  static const char* device = [] {
+    const char* v = std::getenv("INDEXER_FUZZ_DEVICE");
+    return v != nullptr && v[0] != '\0' ? v : "cpu";
+  }();
+  return device;
+}
+
 class Harness {
  public:
   explicit Harness(uint8_t variant) {
@@ -236,7 +246,9 @@ class Harness {
     config_.max_sequences = (variant & 8) ? 4 : 0;
     config_.cpu_threads = (variant & 16) ? 2 : 1;
     if (!config_.Validate().ok()) Fail(absl::StrCat("config: ", config_.Validate().ToString()));
-    auto backend = std::make_unique<FaultyBackend>(config_);
+    auto inner = engine::MakeBackend(config_, Device());
+    if (!inner.ok()) Fail(absl::StrCat("backend: ", inner.status().ToString()));
+    auto backend = std::make_unique<FaultyBackend>(*std::move(inner));
     backend_ = backend.get();
     engine_ = std::make_unique<engine::Engine>(config_, std::move(backend));
     service_ = std::make_unique<server::IndexerService>(engine_.get(), &Executor(), &access_,

@@ -1,6 +1,7 @@
 // The CUDA backend behind the engine answers exactly as the CPU backend does: the same random
 // sequence of appends (one layer and all layers), forks (copy-on-write on the GPU), truncations
-// and selections (decode and prefill shapes, batched), on integer-valued keys so sums are exact.
+// and selections (decode and prefill shapes, batched, half of them appending first so a wave's
+// key writes go through WriteKeysBatch), on integer-valued keys so sums are exact.
 // Skips (with a message) where no GPU is usable.
 #include <gtest/gtest.h>
 
@@ -38,7 +39,7 @@ class CudaBackendTest : public ::testing::TestWithParam<kernels::KeyStorage> {
     config_.max_index_heads = 16;
     ASSERT_TRUE(config_.Validate().ok());
     cpu_ = std::make_unique<Engine>(config_, std::make_unique<CpuBackend>(config_));
-    auto cuda = MakeCudaBackend(config_);
+    auto cuda = MakeCudaBackend(config_, DeviceSlot{0, 0, config_.capacity_pages});
     ASSERT_TRUE(cuda.ok()) << cuda.status();
     gpu_ = std::make_unique<Engine>(config_, std::move(*cuda));
   }
@@ -93,8 +94,9 @@ TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
       live.erase(live.begin() + i);
     } else {  // a batch of selections over several sequences, decode and prefill shaped
       std::vector<StepRequest> items;
-      std::vector<std::string> queries;
+      std::vector<std::string> queries, appended;
       queries.reserve(8);
+      appended.reserve(8);
       for (int i = 0; i < 8; ++i) {
         const std::string& id = live[rng() % live.size()];
         auto info = cpu_->Get(id);
@@ -114,6 +116,16 @@ TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
         s.topk = 1 + static_cast<int64_t>(rng() % 32);
         s.init_blocks = static_cast<int64_t>(rng() % 2);
         s.local_blocks = static_cast<int64_t>(rng() % 3);
+        if (rng() % 2 == 0) {  // a decode step: append 1 to 3 tokens first (one key write per wave)
+          AppendRequest a;
+          a.all_layers = rng() % 3 == 0;
+          a.layer = s.layer;
+          a.dtype = WireDtype::kBf16;
+          const int64_t t = 1 + static_cast<int64_t>(rng() % 3);
+          appended.push_back(Bf16Bytes(IntegerValues(t * (a.all_layers ? config_.layers : 1) * d, rng)));
+          a.keys = appended.back();
+          s.append = a;
+        }
         items.push_back(s);
       }
       auto c = cpu_->Batch(items);
@@ -121,6 +133,7 @@ TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
       for (size_t i = 0; i < items.size(); ++i) {
         ASSERT_EQ(c[i].ok(), g[i].ok()) << c[i].status() << " vs " << g[i].status();
         if (!c[i].ok()) continue;
+        ASSERT_EQ(c[i]->lengths, g[i]->lengths) << "item " << i << " op " << op;
         ASSERT_EQ(c[i]->block_ids, g[i]->block_ids) << "item " << i << " op " << op;
         ASSERT_EQ(c[i]->page_table, g[i]->page_table);
         ASSERT_EQ(c[i]->context_lens, g[i]->context_lens);

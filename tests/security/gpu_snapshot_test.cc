@@ -70,7 +70,7 @@ class GpuSnapshotTest : public ::testing::TestWithParam<kernels::KeyStorage> {
     return std::make_unique<Engine>(config_, std::make_unique<CpuBackend>(config_));
   }
   std::unique_ptr<Engine> Cuda() {
-    auto backend = MakeCudaBackend(config_);
+    auto backend = MakeCudaBackend(config_, DeviceSlot{0, 0, config_.capacity_pages});
     EXPECT_TRUE(backend.ok()) << backend.status();
     return backend.ok() ? std::make_unique<Engine>(config_, std::move(*backend)) : nullptr;
   }

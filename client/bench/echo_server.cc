@@ -1,0 +1,311 @@
+// indexer-echo-server: the gRPC floor of the indexer service. It serves indexer.v1.Indexer with
+// the real server's gRPC settings (callback API, message size limits, health checking) and the
+// same message types, and answers every call OK with an answer of the right shape and size while
+// keeping nothing and computing nothing:
+//
+//   AppendKeys     lengths = the tokens this call appended (every layer), num_blocks to match
+//   SelectBlocks   n x H x topk block ids 0..topk-1 (n from the queries' size), the same lengths
+//   Batch, BatchStream   one such answer per item
+//   ServerInfo     a shape indexer-bench accepts (--head_dim, --layers, a huge free pool)
+//   other RPCs     an empty OK answer
+//
+// What indexer-bench measures against it is what gRPC, protobuf and the loopback cost by
+// themselves at a given payload size and concurrency; scripts/service_bench.py compares the real
+// server's request rate with it. --handler_threads=0 (default) answers on gRPC's callback
+// threads, the floor; N > 0 hands every call to N handler threads first, as indexer-server does.
+//
+// Exits 0 on SIGINT/SIGTERM, 1 when it cannot listen, 2 for a refused flag value.
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "indexer/v1/indexer.grpc.pb.h"
+#include "server/request_executor.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50052",
+          "gRPC listen address, host:port (port 0 picks one; the port is printed)");
+ABSL_FLAG(int32_t, handler_threads, 0,
+          "Threads answering calls; 0: answer on gRPC's callback threads (the floor)");
+ABSL_FLAG(int32_t, head_dim, 128, "head_dim ServerInfo reports (sizes the answers' shapes)");
+ABSL_FLAG(int32_t, layers, 1, "Layers ServerInfo reports and every answer's lengths hold");
+ABSL_FLAG(int32_t, topk, 16, "Default topk when a request omits it");
+ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Largest gRPC message received or sent, in bytes");
+
+namespace indexer::bench {
+namespace {
+
+namespace v1 = indexer::v1;
+
+struct EchoShape {
+  int head_dim = 128;
+  int layers = 1;
+  int topk = 16;
+  int64_t max_message_bytes = 64 << 20;
+};
+
+int WireBytes(v1::ValueDtype dtype) { return dtype == v1::VALUE_DTYPE_FP32 ? 4 : 2; }
+
+// Tokens an append carries: its keys' bytes over one token's row.
+int64_t AppendedTokens(const v1::AppendKeysRequest& a, const EchoShape& shape) {
+  const int64_t row =
+      static_cast<int64_t>(a.all_layers() ? shape.layers : 1) * shape.head_dim * WireBytes(a.dtype());
+  return row > 0 ? static_cast<int64_t>(a.keys().size()) / row : 0;
+}
+
+template <typename Repeated>
+void PutLengths(int64_t tokens, int layers, Repeated* out) {
+  for (int l = 0; l < layers; ++l) out->Add(static_cast<uint32_t>(tokens));
+}
+
+void Answer(const v1::AppendKeysRequest& req, const EchoShape& shape, v1::AppendKeysResponse* resp) {
+  const int64_t n = AppendedTokens(req, shape);
+  PutLengths(n, shape.layers, resp->mutable_lengths());
+  resp->set_num_blocks(static_cast<uint32_t>((n + 127) / 128));
+}
+
+void Answer(const v1::SelectBlocksRequest& req, const EchoShape& shape,
+            v1::SelectBlocksResponse* resp) {
+  const int64_t appended = req.has_append() ? AppendedTokens(req.append(), shape) : 0;
+  const int heads = std::max<int>(1, static_cast<int>(req.num_heads()));
+  const int topk = req.has_topk() ? static_cast<int>(req.topk()) : shape.topk;
+  const int64_t row = static_cast<int64_t>(heads) * shape.head_dim * WireBytes(req.query_dtype());
+  const int64_t n = static_cast<int64_t>(req.queries().size()) / row;
+  resp->set_num_tokens(static_cast<uint32_t>(n));
+  resp->set_num_heads(static_cast<uint32_t>(heads));
+  resp->set_topk(static_cast<uint32_t>(topk));
+  resp->set_start_position(std::max<int64_t>(0, appended - n));
+  // Rows of ids 0..topk-1: the size of a real answer (a short sequence's -1 padding is as long).
+  std::string* ids = resp->mutable_block_ids();
+  ids->resize(static_cast<size_t>(n * heads * topk) * sizeof(int32_t));
+  for (int64_t i = 0; i < n * heads * topk; ++i) {
+    const int32_t id = static_cast<int32_t>(i % topk);
+    std::memcpy(ids->data() + i * sizeof(int32_t), &id, sizeof(int32_t));
+  }
+  PutLengths(appended, shape.layers, resp->mutable_lengths());
+}
+
+void Answer(const v1::BatchRequest& req, const EchoShape& shape, v1::BatchResponse* resp) {
+  resp->set_request_id(req.request_id());
+  resp->mutable_results()->Reserve(req.items_size());
+  for (const v1::SelectBlocksRequest& item : req.items()) {
+    Answer(item, shape, resp->add_results()->mutable_result());
+  }
+}
+
+void Answer(const EchoShape& shape, v1::ServerInfoResponse* resp) {
+  constexpr uint64_t kPages = uint64_t{1} << 30;
+  resp->set_version("echo");
+  resp->set_backend("echo");
+  resp->set_device("none");
+  resp->set_head_dim(static_cast<uint32_t>(shape.head_dim));
+  resp->set_layers(static_cast<uint32_t>(shape.layers));
+  resp->set_key_storage(v1::KEY_STORAGE_BF16);
+  resp->set_block_size(128);
+  resp->set_max_index_heads(16);
+  resp->set_max_topk(256);
+  resp->set_default_topk(static_cast<uint32_t>(shape.topk));
+  resp->set_default_init_blocks(0);
+  resp->set_default_local_blocks(1);
+  resp->set_pages_per_block(8);
+  resp->set_block_page_stride(8);
+  resp->set_total_pages(kPages);
+  resp->set_free_pages(kPages);
+  resp->set_bytes_per_page(static_cast<uint64_t>(128) * shape.layers * shape.head_dim * 2);
+  resp->set_max_tokens_per_sequence(1u << 30);
+  resp->set_max_message_bytes(static_cast<uint64_t>(shape.max_message_bytes));
+}
+
+// The service. Unary methods answer on the callback thread, or on the executor when there is one.
+class EchoService final : public v1::Indexer::CallbackService {
+ public:
+  EchoService(EchoShape shape, server::RequestExecutor* executor)
+      : shape_(shape), executor_(executor) {}
+
+  grpc::ServerUnaryReactor* AppendKeys(grpc::CallbackServerContext* ctx,
+                                       const v1::AppendKeysRequest* req,
+                                       v1::AppendKeysResponse* resp) override {
+    return Run(ctx, [this, req, resp] { Answer(*req, shape_, resp); });
+  }
+  grpc::ServerUnaryReactor* SelectBlocks(grpc::CallbackServerContext* ctx,
+                                         const v1::SelectBlocksRequest* req,
+                                         v1::SelectBlocksResponse* resp) override {
+    return Run(ctx, [this, req, resp] { Answer(*req, shape_, resp); });
+  }
+  grpc::ServerUnaryReactor* Batch(grpc::CallbackServerContext* ctx, const v1::BatchRequest* req,
+                                  v1::BatchResponse* resp) override {
+    return Run(ctx, [this, req, resp] { Answer(*req, shape_, resp); });
+  }
+  grpc::ServerBidiReactor<v1::BatchRequest, v1::BatchResponse>* BatchStream(
+      grpc::CallbackServerContext* /*ctx*/) override {
+    return new StreamReactor(this);
+  }
+  grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* ctx,
+                                            const v1::ReleaseSequenceRequest* /*req*/,
+                                            v1::ReleaseSequenceResponse* /*resp*/) override {
+    return Run(ctx, [] {});
+  }
+  grpc::ServerUnaryReactor* TruncateSequence(grpc::CallbackServerContext* ctx,
+                                             const v1::TruncateSequenceRequest* req,
+                                             v1::TruncateSequenceResponse* resp) override {
+    return Run(ctx, [this, req, resp] {
+      PutLengths(req->length(), shape_.layers, resp->mutable_lengths());
+      resp->set_num_blocks((req->length() + 127) / 128);
+    });
+  }
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx,
+                                         const v1::ForkSequenceRequest* /*req*/,
+                                         v1::ForkSequenceResponse* /*resp*/) override {
+    return Run(ctx, [] {});
+  }
+  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx,
+                                        const v1::GetSequenceRequest* req,
+                                        v1::GetSequenceResponse* resp) override {
+    return Run(ctx, [req, resp] { resp->set_sequence_id(req->sequence_id()); });
+  }
+  grpc::ServerUnaryReactor* ServerInfo(grpc::CallbackServerContext* ctx,
+                                       const v1::ServerInfoRequest* /*req*/,
+                                       v1::ServerInfoResponse* resp) override {
+    return Run(ctx, [this, resp] { Answer(shape_, resp); });
+  }
+  // No metrics: an empty answer (indexer-bench then reports no server figures).
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
+                                     const v1::GetStatsRequest* /*req*/,
+                                     v1::GetStatsResponse* /*resp*/) override {
+    return Run(ctx, [] {});
+  }
+
+ private:
+  // Reads one BatchRequest, answers it, writes the answer, reads the next (like the real one).
+  class StreamReactor final : public grpc::ServerBidiReactor<v1::BatchRequest, v1::BatchResponse> {
+   public:
+    explicit StreamReactor(EchoService* service) : service_(service) { StartRead(&request_); }
+    void OnReadDone(bool ok) override {
+      if (!ok) {
+        Finish(grpc::Status::OK);
+        return;
+      }
+      service_->Dispatch([this] {
+        response_.Clear();
+        Answer(request_, service_->shape_, &response_);
+        StartWrite(&response_);
+      });
+    }
+    void OnWriteDone(bool ok) override {
+      if (ok) {
+        StartRead(&request_);
+      } else {
+        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed while writing"));
+      }
+    }
+    void OnDone() override { delete this; }
+
+   private:
+    EchoService* service_;
+    v1::BatchRequest request_;
+    v1::BatchResponse response_;
+  };
+
+  template <typename Fn>
+  void Dispatch(Fn fn) {
+    if (executor_ == nullptr) {
+      fn();
+    } else {
+      executor_->Submit(std::move(fn));
+    }
+  }
+
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx, Fn fill) {
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    Dispatch([reactor, fill = std::move(fill)]() mutable {
+      fill();
+      reactor->Finish(grpc::Status::OK);
+    });
+    return reactor;
+  }
+
+  const EchoShape shape_;
+  server::RequestExecutor* const executor_;
+};
+
+}  // namespace
+}  // namespace indexer::bench
+
+int main(int argc, char** argv) {
+  // Signals are taken synchronously by sigwait; block them before any thread exists.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::FlagsUsageConfig usage;
+  const auto ours = [](absl::string_view file) { return absl::StrContains(file, "echo_server"); };
+  usage.contains_help_flags = ours;
+  usage.contains_helpshort_flags = ours;
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(
+      "The gRPC floor of the indexer service: serves indexer.v1.Indexer with the real server's\n"
+      "gRPC settings and answers every call OK with an answer of the right shape and size,\n"
+      "keeping and computing nothing. For scripts/service_bench.py and indexer-bench.\n"
+      "Usage: indexer-echo-server [flags]");
+  absl::ParseCommandLine(argc, argv);
+
+  indexer::bench::EchoShape shape;
+  shape.head_dim = absl::GetFlag(FLAGS_head_dim);
+  shape.layers = absl::GetFlag(FLAGS_layers);
+  shape.topk = absl::GetFlag(FLAGS_topk);
+  shape.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  const int handler_threads = absl::GetFlag(FLAGS_handler_threads);
+  if (shape.head_dim < 1 || shape.layers < 1 || shape.topk < 1 || handler_threads < 0 ||
+      shape.max_message_bytes < 1024 || shape.max_message_bytes > (int64_t{1} << 31) - 1) {
+    std::fprintf(stderr,
+                 "indexer-echo-server: --head_dim, --layers and --topk must be >= 1, "
+                 "--handler_threads >= 0, --max_message_bytes in [1024, 2^31)\n");
+    return 2;
+  }
+
+  std::unique_ptr<indexer::server::RequestExecutor> executor;
+  if (handler_threads > 0) executor = std::make_unique<indexer::server::RequestExecutor>(handler_threads);
+  indexer::bench::EchoService service(shape, executor.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(shape.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(shape.max_message_bytes));
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::fprintf(stderr, "indexer-echo-server: cannot listen on %s\n",
+                 absl::GetFlag(FLAGS_listen).c_str());
+    return 1;
+  }
+  server->GetHealthCheckService()->SetServingStatus("indexer.v1.Indexer", true);
+  server->GetHealthCheckService()->SetServingStatus(true);
+  std::fprintf(stderr, "indexer-echo-server serving on port %d (handler threads: %d)\n", port,
+               handler_threads);
+  std::fflush(stderr);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  server->Wait();
+  if (executor != nullptr) executor->Stop();
+  return 0;
+}

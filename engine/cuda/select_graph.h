@@ -1,0 +1,95 @@
+// SelectGraphCache: one lane's CUDA graphs of a selection step, so that a step (the input copy,
+// the selector kernels, the result copy) reaches the GPU as one cudaGraphLaunch.
+//
+// A graph is a chain of nodes: input copy (pinned host -> device), the kernels of a LaunchList
+// in order, result copy (device -> pinned host). Graphs are keyed by topology only: the
+// kernels' functions and block shapes, in order, which fixes which selector groups run and which
+// decode kernel variant (a backend of one head_dim and storage has at most 4 x 2 x 2 of them).
+// Everything else a plan changes from step to step -- copy sizes, grids, shared memory, argument
+// values -- is set on the cached executable graph before it is launched, node by node and only
+// where it differs from that graph's previous launch (cudaGraphExecMemcpyNodeSetParams1D,
+// cudaGraphExecKernelNodeSetParams: host-side updates that apply from the next launch on). So a
+// step that matches a cached topology costs zero to a few node updates plus one graph launch,
+// and never a capture or an instantiation. The cache is an LRU of at most `capacity` graphs.
+//
+// The copies' buffers must outlive the cached graphs: the owner calls Clear() whenever it
+// reallocates a staging or device buffer (even one a kernel argument points into).
+//
+// Not thread-safe: owned by one lane and used only by the call holding that lane. Graphs are
+// built on, and must be launched on a stream of, the device current when Launch is called.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstddef>
+#include <list>
+
+#include "engine/cuda/cuda_resources.h"
+#include "kernels/cuda/launchers.h"
+
+namespace indexer::engine {
+
+// One selection step: copy in_bytes from in_src (pinned host) to in_dst (device), run
+// `kernels`, copy out_bytes from out_src (device) to out_dst (pinned host). Both sizes > 0.
+struct SelectStep {
+  void* in_dst = nullptr;
+  const void* in_src = nullptr;
+  size_t in_bytes = 0;
+  const kernels::cuda::LaunchList* kernels = nullptr;
+  void* out_dst = nullptr;
+  const void* out_src = nullptr;
+  size_t out_bytes = 0;
+};
+
+struct GraphLaunchResult {
+  cudaError_t error = cudaSuccess;
+  // False when nothing of the step reached the stream (building, updating or launching the
+  // graph failed; the graph is dropped): the caller may run the step without a graph instead.
+  bool enqueued = false;
+  bool built = false;     // a graph was instantiated for this step
+  int updated_nodes = 0;  // nodes of a cached graph whose parameters were set for this step
+};
+
+class SelectGraphCache {
+ public:
+  explicit SelectGraphCache(size_t capacity) : capacity_(capacity < 1 ? 1 : capacity) {}
+  SelectGraphCache(const SelectGraphCache&) = delete;
+  SelectGraphCache& operator=(const SelectGraphCache&) = delete;
+
+  // Enqueues `step` on `stream` as one graph launch, building the graph on a miss.
+  GraphLaunchResult Launch(const SelectStep& step, cudaStream_t stream);
+
+  void Clear() { entries_.clear(); }
+  size_t size() const { return entries_.size(); }
+
+ private:
+  static constexpr int kMaxKernels = kernels::cuda::LaunchList::kMaxLaunches;
+
+  struct Copy {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    size_t bytes = 0;
+    bool operator==(const Copy&) const = default;
+  };
+  struct Entry {
+    int num_kernels = 0;
+    CudaGraph graph;
+    cudaGraphNode_t in_node = nullptr, out_node = nullptr;
+    std::array<cudaGraphNode_t, kMaxKernels> kernel_nodes{};
+    // What the executable graph holds now (its last launch's parameters).
+    Copy in, out;
+    std::array<kernels::cuda::KernelLaunch, kMaxKernels> launches{};
+  };
+
+  static bool SameTopology(const Entry& e, const kernels::cuda::LaunchList& list);
+  // Builds and instantiates the graph of `step` into *e.
+  static cudaError_t Build(const SelectStep& step, Entry* e);
+  // Sets the parameters of e's executable graph that differ from `step`'s.
+  static cudaError_t Update(const SelectStep& step, Entry* e, int* updated);
+
+  size_t capacity_;
+  std::list<Entry> entries_;  // most recently used first
+};
+
+}  // namespace indexer::engine

@@ -1,0 +1,558 @@
+#!/usr/bin/env python3
+"""The service benchmark: the indexer over gRPC, end to end, against its targets.
+
+Starts servers on free loopback ports, drives them with indexer-bench, reads the kernel time
+from the server's own figures (GetStats: indexer_backend_select_seconds over the measured
+window), and writes three files to --out (the GPU machine's tool brings back at most eight):
+service_bench.md (the table, printed last too), summary.json (every figure, and each case's
+whole indexer-bench JSON report under "reports") and logs.txt (server and indexer-bench logs).
+Every server it starts is stopped on exit, whatever happens. Python 3 standard library only.
+
+Cases (--cases takes group or case names, comma-separated; default: every group but multigpu,
+which --devices=0,1 adds):
+
+  decode     one whole decode step per Batch call (B sequences, each appending one token and
+             selecting top-16 blocks of its L tokens for H heads), one caller, closed loop: step
+             latency p50/p99 next to the kernel time. Target: p50 <= kernel time + 60 us. The
+             *_echo cases send the same calls to indexer-echo-server: the gRPC floor.
+  unary      256 concurrent clients, each decoding its own sequence of L = 32K tokens with unary
+             SelectBlocks calls carrying the new token's key, with the server's --batching on and
+             then off (a fresh server). Target: rate with batching >= 5x without.
+  small      64 concurrent clients at L = 1K against the indexer and against indexer-echo-server
+             (the same calls answered by gRPC alone), in the same run. Target: >= 80% of echo.
+  multigpu   the large Batch workload on --devices=FIRST and then on every device of --devices.
+             Target: >= 1.8x one GPU's rate. Skipped when fewer than two GPUs are visible.
+
+Sequences are rewound to their prefill length every 128 steps (indexer-bench --rewind), so L
+stays within one block of what the case says however long it runs.
+
+  scripts/service_bench.py --device cuda --bin .device/bundle --out gpu-out/service
+  scripts/service_bench.py --device cpu --quick --bin build            # about 12 s, for CI
+  scripts/service_bench.py --device cuda --cases multigpu --devices 0,1
+
+Exit status: 0 every case ran (targets met or not: the table says), 1 a case failed or a server
+would not start, 2 bad arguments.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+KERNEL_SLACK_US = 60.0      # decode: p50 <= kernel + 60 us
+BATCHING_SPEEDUP = 5.0      # unary: on >= 5x off
+ECHO_SHARE = 0.8            # small: >= 80% of echo
+TWO_GPU_SPEEDUP = 1.8       # multigpu: >= 1.8x one GPU
+REWIND = 128                # steps between rewinds to the prefill length
+GROUPS = ("decode", "unary", "small", "multigpu")
+
+
+def die(message):
+    print("service_bench: %s" % message, file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description="The indexer's service benchmark (see the module docstring).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="the server's backend (default cuda)")
+    p.add_argument("--bin", default=None,
+                   help="folder with indexer-server, indexer-bench, indexer-echo-server (a bundle) "
+                        "or a build folder (server/, client/bench/); default .device/bundle, "
+                        "else build")
+    p.add_argument("--out", default=None,
+                   help="where the reports go (default $OUT/service, else ./service-bench-out)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes and short stages (about 12 s on 2 CPU cores), for CI")
+    p.add_argument("--cases", default="",
+                   help="comma-separated groups (%s) or case names; default every group but "
+                        "multigpu (added by --devices with two or more ids)" % ", ".join(GROUPS))
+    p.add_argument("--devices", default="",
+                   help="GPU ids for the multigpu group, e.g. 0,1: runs the large Batch case on "
+                        "the first and then on all (the server's --devices)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="measured seconds per case (default 4, quick 1)")
+    p.add_argument("--warmup", type=float, default=None,
+                   help="warm-up seconds per case (default 1, quick 0.3)")
+    p.add_argument("--capacity", default=None,
+                   help="the server's --capacity (default 8GiB on cuda, 1GiB on cpu)")
+    p.add_argument("--list", action="store_true", help="print the cases and exit")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------
+# Cases
+
+
+def decode_case(name, b, length, heads, server="main"):
+    return {"name": name, "group": "decode", "server": server, "style": "batch",
+            "batch": b, "concurrency": 1, "prefill": length, "heads": heads,
+            "what": "B=%d L=%s H=%d, Batch per step%s" % (
+                b, kib(length), heads, ", echo server (gRPC floor)" if server == "echo" else "")}
+
+
+def unary_case(name, clients, length, batching):
+    return {"name": name, "group": "unary", "server": "main" if batching else "nobatch",
+            "style": "unary", "batch": 1, "concurrency": clients, "prefill": length, "heads": 1,
+            "connections": max(1, clients // 16),
+            "what": "%d clients L=%s unary, batching %s" % (clients, kib(length),
+                                                           "on" if batching else "off")}
+
+
+def small_case(name, clients, length, server):
+    return {"name": name, "group": "small", "server": server, "style": "unary", "batch": 1,
+            "concurrency": clients, "prefill": length, "heads": 1,
+            "connections": max(1, clients // 8),
+            "what": "%d clients L=%s unary, %s" % (clients, kib(length),
+                                                   "echo server" if server == "echo" else "indexer")}
+
+
+def multigpu_case(name, server, workers, b, length):
+    return {"name": name, "group": "multigpu", "server": server, "style": "batch", "batch": b,
+            "concurrency": workers, "prefill": length, "heads": 1,
+            "what": "%d x B=%d L=%s Batch, %s" % (workers, b, kib(length),
+                                                 "one GPU" if server == "gpu1" else "all GPUs")}
+
+
+def all_cases(quick):
+    if quick:
+        return [
+            decode_case("decode_b1_l1k_h1", 1, 1024, 1),
+            decode_case("decode_b1_l1k_h1_echo", 1, 1024, 1, "echo"),
+            decode_case("decode_b8_l2k_h1", 8, 2048, 1),
+            decode_case("decode_b4_l2k_h4", 4, 2048, 4),
+            unary_case("unary_16_l2k_on", 16, 2048, True),
+            unary_case("unary_16_l2k_off", 16, 2048, False),
+            small_case("small_8_l512_indexer", 8, 512, "main"),
+            small_case("small_8_l512_echo", 8, 512, "echo"),
+            multigpu_case("multigpu_1", "gpu1", 2, 4, 2048),
+            multigpu_case("multigpu_all", "gpuall", 2, 4, 2048),
+        ]
+    return [
+        decode_case("decode_b1_l4k_h1", 1, 4096, 1),
+        decode_case("decode_b1_l4k_h1_echo", 1, 4096, 1, "echo"),
+        decode_case("decode_b1_l128k_h1", 1, 131072, 1),
+        decode_case("decode_b1_l128k_h4", 1, 131072, 4),
+        decode_case("decode_b16_l32k_h1", 16, 32768, 1),
+        decode_case("decode_b64_l32k_h1", 64, 32768, 1),
+        decode_case("decode_b64_l32k_h4", 64, 32768, 4),
+        decode_case("decode_b256_l8k_h1", 256, 8192, 1),
+        decode_case("decode_b256_l8k_h1_echo", 256, 8192, 1, "echo"),
+        unary_case("unary_256_l32k_on", 256, 32768, True),
+        unary_case("unary_256_l32k_off", 256, 32768, False),
+        small_case("small_64_l1k_indexer", 64, 1024, "main"),
+        small_case("small_64_l1k_echo", 64, 1024, "echo"),
+        # Long contexts and 32 callers, so that the GPUs, not the server's per-item work, bound
+        # the rate (about 8 us of key streaming per item at 128K on one H200).
+        multigpu_case("multigpu_1", "gpu1", 32, 16, 131072),
+        multigpu_case("multigpu_all", "gpuall", 32, 16, 131072),
+    ]
+
+
+def kib(tokens):
+    return "%dK" % (tokens // 1024) if tokens % 1024 == 0 else str(tokens)
+
+
+def select_cases(cases, spec, multi_gpu):
+    if not spec:
+        return [c for c in cases if c["group"] != "multigpu" or multi_gpu]
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    names = {c["name"] for c in cases}
+    for w in wanted:
+        if w not in GROUPS and w not in names:
+            die("unknown case or group '%s' (groups: %s; cases: %s)"
+                % (w, ", ".join(GROUPS), ", ".join(sorted(names))))
+    return [c for c in cases if c["group"] in wanted or c["name"] in wanted]
+
+
+# --------------------------------------------------------------------------------------------
+# Binaries and servers
+
+
+def find_binaries(folder):
+    candidates = {
+        "indexer-server": ["indexer-server", "server/indexer-server"],
+        "indexer-bench": ["indexer-bench", "client/bench/indexer-bench"],
+        "indexer-echo-server": ["indexer-echo-server", "client/bench/indexer-echo-server"],
+    }
+    found = {}
+    for name, paths in candidates.items():
+        for rel in paths:
+            path = os.path.join(folder, rel)
+            if os.path.isfile(path) and os.access(path, os.X_OK):
+                found[name] = os.path.abspath(path)
+                break
+        else:
+            die("no %s under %s" % (name, folder))
+    return found
+
+
+class Servers:
+    """Servers this script started; every one is stopped by stop_all (called on any exit)."""
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+        self.running = {}  # key -> (Popen, port, log path)
+        self.started = []  # every server started: key, pid, port (for summary.json)
+
+    def start(self, key, argv, timeout=60.0):
+        log = os.path.join(self.log_dir, "%s.log" % key)
+        with open(log, "w") as f:
+            proc = subprocess.Popen(argv + ["--listen=127.0.0.1:0"], stdout=f,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.running[key] = (proc, None, log)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            text = read(log)
+            m = re.search(r"serving on port (\d+)", text)
+            if m:
+                port = int(m.group(1))
+                self.running[key] = (proc, port, log)
+                self.started.append({"server": key, "pid": proc.pid, "port": port})
+                return port
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.stop(key)
+        tail = "\n".join(read(log).splitlines()[-5:])
+        raise RuntimeError("%s did not start (exit %s): %s" % (key, proc.poll(), tail))
+
+    def alive(self, key):
+        entry = self.running.get(key)
+        return entry is not None and entry[0].poll() is None
+
+    def port(self, key):
+        return self.running[key][1]
+
+    def stop(self, key):
+        entry = self.running.pop(key, None)
+        if entry is None:
+            return
+        proc = entry[0]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def stop_all(self):
+        for key in list(self.running):
+            self.stop(key)
+
+
+def read(path):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def visible_gpus():
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return len([d for d in env.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return len([l for l in out.stdout.splitlines() if l.startswith("GPU ")])
+
+
+def server_flags(binary):
+    out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
+    return set(re.findall(r"--(\w+)", out.stdout + out.stderr))
+
+
+def indexer_argv(bins, args, flags, batching=None, devices=None, handler_threads=None):
+    argv = [bins["indexer-server"], "--device=%s" % args.device, "--capacity=%s" % args.capacity,
+            "--layers=1", "--head_dim=128", "--drain_seconds=2", "--not_serving_seconds=0"]
+    if handler_threads:
+        argv.append("--handler_threads=%d" % handler_threads)
+    if batching is not None and "batching" in flags:
+        argv.append("--batching=%s" % ("true" if batching else "false"))
+    if devices is not None:
+        argv.append("--devices=%s" % devices)
+    return argv
+
+
+# --------------------------------------------------------------------------------------------
+# Running a case
+
+
+def run_case(case, port, bins, args, work_dir, reports):
+    """Runs one case; returns its row and puts its indexer-bench report in reports[case]."""
+    report = os.path.join(work_dir, "%s.json" % case["name"])
+    argv = [bins["indexer-bench"], "--servers=127.0.0.1:%d" % port,
+            "--style=%s" % case["style"], "--batch=%d" % case["batch"],
+            "--concurrency=%d" % case["concurrency"],
+            "--connections=%d" % case.get("connections", 1),
+            "--prefill=%d" % case["prefill"], "--prefill_chunk=8192",
+            "--decode_steps=1000000000", "--rewind=%d" % REWIND,
+            "--heads=%d" % case["heads"], "--topk=16", "--init_blocks=0", "--local_blocks=1",
+            "--layers=1", "--warmup=%gs" % args.warmup, "--duration=%gs" % args.duration,
+            "--timeout=60s", "--wait=30s", "--server_stats", "--progress=off", "--summary=full",
+            "--json=%s" % report]
+    log = os.path.join(work_dir, "%s.bench.log" % case["name"])
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write(" ".join(argv) + "\n\n")
+        f.flush()
+        try:
+            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=args.warmup + args.duration + 240).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.time() - t0
+    row = {"case": case["name"], "group": case["group"], "what": case["what"], "wall_s": wall}
+    if rc != 0 or not os.path.exists(report):
+        tail = " / ".join(l for l in read(log).splitlines()[-4:] if l.strip())
+        row.update(status="failed", note="indexer-bench exit %s: %s" % (rc, tail[-300:]))
+        return row
+    with open(report) as f:
+        rep = json.load(f)
+    reports[case["name"]] = rep
+    st = rep["stages"][0]
+    lat = st["latency_ms"]
+    row.update(status="ok",
+               backend=rep["servers"][0]["backend"], device=rep["servers"][0]["device"],
+               requests=st["requests"]["ok"], errors=st["requests"]["errors"],
+               measured_s=st["measured_s"],
+               prefill_s=max(0.0, st["wall_s"] - st["warmup_s"] - st["measured_s"]),
+               rate=st["throughput_rps"], selections_per_s=st["selections_per_s"],
+               p50_us=lat["p50"] * 1e3, p99_us=lat["p99"] * 1e3, mean_us=lat["mean"] * 1e3)
+    ss = st.get("server_stats") or {}
+    if ss.get("available"):
+        launches = ss["backend_selections"]
+        row.update(kernel_us=ss["backend_select_us_per_request"],
+                   kernel_launch_us=ss["backend_select_mean_us"],
+                   launches_per_request=launches / max(1, row["requests"]),
+                   spans_per_launch=ss["spans_per_selection"],
+                   queue_us=ss["queue_mean_us"],
+                   calls_per_launch=ss.get("calls_per_launch", 0.0),
+                   batch_queue_us=ss.get("batch_queue_mean_us", 0.0))
+    else:
+        row["kernel_note"] = ss.get("note", "")
+    return row
+
+
+def apply_targets(rows):
+    by = {r["case"]: r for r in rows if r.get("status") == "ok"}
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        if r["group"] == "decode" and "kernel_us" in r:
+            echo = by.get(r["case"] + "_echo")
+            if echo:
+                r["echo_p50_us"] = echo["p50_us"]  # the same calls answered by gRPC alone
+            r["overhead_us"] = r["p50_us"] - r["kernel_us"]
+            r["target"] = "p50 <= kernel + %g us" % KERNEL_SLACK_US
+            r["vs_target"] = (r["kernel_us"] + KERNEL_SLACK_US) / r["p50_us"]
+        elif r["group"] == "unary" and r["case"].endswith("_on"):
+            off = by.get(r["case"][:-3] + "_off")
+            if off and off["rate"] > 0:
+                r["target"] = ">= %gx batching off (%.2fx)" % (BATCHING_SPEEDUP,
+                                                              r["rate"] / off["rate"])
+                r["vs_target"] = r["rate"] / off["rate"] / BATCHING_SPEEDUP
+        elif r["group"] == "small" and r["case"].endswith("_indexer"):
+            echo = by.get(r["case"][:-len("_indexer")] + "_echo")
+            if echo and echo["rate"] > 0:
+                r["target"] = ">= %d%% of echo (%.0f%%)" % (ECHO_SHARE * 100,
+                                                          100 * r["rate"] / echo["rate"])
+                r["vs_target"] = r["rate"] / echo["rate"] / ECHO_SHARE
+        elif r["group"] == "multigpu" and r["case"] == "multigpu_all":
+            one = by.get("multigpu_1")
+            if one and one["selections_per_s"] > 0:
+                x = r["selections_per_s"] / one["selections_per_s"]
+                r["target"] = ">= %gx one GPU (%.2fx)" % (TWO_GPU_SPEEDUP, x)
+                r["vs_target"] = x / TWO_GPU_SPEEDUP
+        if "vs_target" in r:
+            r["met"] = r["vs_target"] >= 1.0
+
+
+def fmt(v, digits=1):
+    if v is None:
+        return "-"
+    if abs(v) >= 1000:
+        return "{:,.0f}".format(v)
+    return "%.*f" % (digits, v)
+
+
+def table(rows):
+    head = ["case", "what", "p50 us", "p99 us", "kernel us", "overhead us", "req/s",
+            "spans/launch", "target", "ratio to target", "met"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.get("status") != "ok":
+            cells = [r["case"], r["what"]] + ["-"] * 6 + [r.get("status", "?"), "-",
+                                                           r.get("note", "").replace("|", "/")[:160]]
+        else:
+            cells = [r["case"], r["what"], fmt(r["p50_us"]), fmt(r["p99_us"]),
+                     fmt(r.get("kernel_us")), fmt(r.get("overhead_us")), fmt(r["rate"]),
+                     fmt(r.get("spans_per_launch")), r.get("target", ""),
+                     fmt(r.get("vs_target"), 2),
+                     {True: "yes", False: "**no**"}.get(r.get("met"), "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv):
+    args = parse_args(argv)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if args.quick:
+        args.duration = 1.0 if args.duration is None else args.duration
+        args.warmup = 0.3 if args.warmup is None else args.warmup
+    else:
+        args.duration = 4.0 if args.duration is None else args.duration
+        args.warmup = 1.0 if args.warmup is None else args.warmup
+    if args.capacity is None:
+        args.capacity = "8GiB" if args.device == "cuda" else "1GiB"
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    cases = select_cases(all_cases(args.quick), args.cases, len(devices) >= 2)
+    if args.list:
+        for c in cases:
+            print("%-24s %-9s %s" % (c["name"], c["group"], c["what"]))
+        return 0
+
+    bin_dir = args.bin or next((d for d in (os.path.join(root, ".device/bundle"),
+                                            os.path.join(root, "build"))
+                                if os.path.isdir(d)), None)
+    if bin_dir is None:
+        die("give --bin (a bundle or build folder)")
+    bins = find_binaries(bin_dir)
+    out_dir = args.out or os.path.join(os.environ.get("OUT", "."), "service" if
+                                       os.environ.get("OUT") else "service-bench-out")
+    os.makedirs(out_dir, exist_ok=True)
+    # Reports and logs are written here while the cases run and gathered into three files at the
+    # end: the GPU machine's tool brings back only a few files.
+    work_dir = tempfile.mkdtemp(prefix="service_bench.")
+    reports = {}
+
+    flags = server_flags(bins["indexer-server"])
+    servers = Servers(work_dir)
+
+    def on_signal(signum, _frame):
+        servers.stop_all()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    # A call waiting for its batch holds a handler thread: twice the clients, at least 64.
+    handler_threads = max([c["concurrency"] * 2 for c in cases if c["style"] == "unary"] + [64])
+    gpus = visible_gpus() if args.device == "cuda" else 0
+    server_argv = {
+        "main": indexer_argv(bins, args, flags, batching=True, handler_threads=handler_threads),
+        "nobatch": indexer_argv(bins, args, flags, batching=False,
+                                handler_threads=handler_threads),
+        "echo": [bins["indexer-echo-server"], "--head_dim=128", "--layers=1"],
+    }
+    if len(devices) >= 1:
+        server_argv["gpu1"] = indexer_argv(bins, args, flags, devices=devices[0])
+        server_argv["gpuall"] = indexer_argv(bins, args, flags, devices=",".join(devices))
+
+    def skip_reason(case):
+        if case["server"] == "nobatch" and "batching" not in flags:
+            return "this indexer-server has no --batching flag"
+        if case["group"] == "multigpu":
+            if "devices" not in flags:
+                return "this indexer-server has no --devices flag"
+            if len(devices) < 2:
+                return "give --devices with two or more GPU ids"
+            if args.device != "cuda" or gpus < 2:
+                return "%d GPU(s) visible; the multigpu cases need two" % gpus
+        return None
+
+    print("service_bench: %d case(s), %s backend, %gs warm-up + %gs each; binaries from %s; "
+          "reports in %s" % (len(cases), args.device, args.warmup, args.duration, bin_dir, out_dir),
+          file=sys.stderr, flush=True)
+    rows = []
+    failed = False
+    started = time.time()
+    # Cases run grouped by server (each indexer server started once; the echo server beside the
+    # main one), and are reported in the listed order. A server is stopped once no later case
+    # needs it; two indexer servers never run at once.
+    order = ["main", "echo", "nobatch", "gpu1", "gpuall"]
+    run_order = sorted(cases, key=lambda c: order.index(c["server"]))
+    try:
+        for i, case in enumerate(run_order):
+            reason = skip_reason(case)
+            if reason:
+                rows.append({"case": case["name"], "group": case["group"], "what": case["what"],
+                             "status": "skipped", "note": reason})
+                print("  %-24s skipped: %s" % (case["name"], reason), file=sys.stderr, flush=True)
+                continue
+            key = case["server"]
+            for other in list(servers.running):
+                if other != key and other != "echo" and key != "echo":
+                    servers.stop(other)
+            if not servers.alive(key):
+                servers.stop(key)
+                try:
+                    servers.start(key, server_argv[key])
+                except RuntimeError as e:
+                    rows.append({"case": case["name"], "group": case["group"],
+                                 "what": case["what"], "status": "failed", "note": str(e)})
+                    print("  %-24s FAILED: %s" % (case["name"], e), file=sys.stderr, flush=True)
+                    failed = True
+                    continue
+            row = run_case(case, servers.port(key), bins, args, work_dir, reports)
+            rows.append(row)
+            if row["status"] != "ok":
+                failed = True
+                print("  %-24s FAILED: %s" % (case["name"], row["note"]), file=sys.stderr, flush=True)
+            else:
+                print("  %-24s p50 %s us, p99 %s us, kernel %s us, %s req/s (%.1f s)" % (
+                    case["name"], fmt(row["p50_us"]), fmt(row["p99_us"]),
+                    fmt(row.get("kernel_us")), fmt(row["rate"]), row["wall_s"]), file=sys.stderr, flush=True)
+            later = {c["server"] for c in run_order[i + 1:]}
+            if key not in later:
+                servers.stop(key)
+    finally:
+        servers.stop_all()
+
+    rows.sort(key=lambda r: [c["name"] for c in cases].index(r["case"]))
+    apply_targets(rows)
+    md = table(rows)
+    header = ("Service benchmark: %s backend%s, %gs warm-up + %gs measured per case, %s.\n"
+              "Latencies of one decode request (a Batch call holding a whole step, or one unary "
+              "SelectBlocks); kernel = the server's backend selection time per request "
+              "(GetStats, measured window); overhead = p50 - kernel.\n\n"
+              % (args.device, " (quick)" if args.quick else "", args.warmup, args.duration,
+                 time.strftime("%Y-%m-%d %H:%M:%S")))
+    with open(os.path.join(out_dir, "service_bench.md"), "w") as f:
+        f.write(header + md)
+    summary = {"device": args.device, "quick": args.quick, "warmup_s": args.warmup,
+               "duration_s": args.duration, "total_s": time.time() - started,
+               "server_flags_batching": "batching" in flags, "gpus_visible": gpus,
+               "servers": servers.started, "cases": rows}
+    summary["reports"] = reports
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(out_dir, "logs.txt"), "w") as f:
+        for name in sorted(os.listdir(work_dir)):
+            if name.endswith(".log"):
+                f.write("==== %s ====\n%s\n" % (name, read(os.path.join(work_dir, name))))
+    shutil.rmtree(work_dir, ignore_errors=True)
+    print(header + md, end="")
+    print("service_bench: %.0f s in all; wrote %s" % (time.time() - started, out_dir),
+          file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

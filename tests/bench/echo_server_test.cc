@@ -1,0 +1,254 @@
+// indexer-echo-server, the binary: it starts on a free port and says which, answers health
+// checks, answers every RPC OK with an answer of the right shape and size (block ids 0..topk-1,
+// lengths of what the call appended), indexer-bench runs against it (reporting no server
+// figures), and SIGTERM stops it with exit 0. INDEXER_ECHO_SERVER_BINARY and
+// INDEXER_BENCH_BINARY come from tests/bench/CMakeLists.txt.
+#include <fcntl.h>
+#include <gmock/gmock.h>
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/cpp/indexer_client.h"
+
+extern char** environ;
+
+namespace indexer::bench {
+namespace {
+
+namespace v1 = indexer::v1;
+using ::testing::HasSubstr;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Starts `argv` with stdout and stderr going to `log`. Returns the pid, or -1.
+pid_t Spawn(std::vector<std::string> argv, const std::string& log) {
+  std::vector<char*> ptrs;
+  for (std::string& a : argv) ptrs.push_back(a.data());
+  ptrs.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, ptrs.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+// Waits for `pid` up to `timeout`; its exit code, or -1 (killed then) when it ran past it.
+int WaitExit(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (absl::Now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return -1;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+}
+
+std::vector<int32_t> Ints(const std::string& bytes) {
+  std::vector<int32_t> v(bytes.size() / 4);
+  std::memcpy(v.data(), bytes.data(), v.size() * 4);
+  return v;
+}
+
+class EchoServerTest : public ::testing::Test {
+ protected:
+  static constexpr int kHeadDim = 64;
+  static constexpr int kLayers = 2;
+
+  void SetUp() override {
+    const char* binary = std::getenv("INDEXER_ECHO_SERVER_BINARY");
+    ASSERT_NE(binary, nullptr) << "INDEXER_ECHO_SERVER_BINARY is not set (ctest sets it)";
+    log_ = ::testing::TempDir() + "/echo-" + std::to_string(getpid()) + ".log";
+    pid_ = Spawn({binary, "--listen=127.0.0.1:0", absl::StrCat("--head_dim=", kHeadDim),
+                  absl::StrCat("--layers=", kLayers), "--topk=8"},
+                 log_);
+    ASSERT_GT(pid_, 0);
+    const std::regex port_re(R"(serving on port (\d+))");
+    for (int i = 0; i < 500 && port_ == 0; ++i) {
+      std::smatch m;
+      const std::string text = ReadFile(log_);
+      if (std::regex_search(text, m, port_re)) port_ = std::stoi(m[1]);
+      if (port_ == 0) absl::SleepFor(absl::Milliseconds(10));
+    }
+    ASSERT_GT(port_, 0) << ReadFile(log_);
+    absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+        client::IndexerClient::Connect(absl::StrCat("127.0.0.1:", port_));
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+    ASSERT_TRUE(client_->WaitUntilServing(absl::Seconds(10)).ok());
+  }
+
+  void TearDown() override {
+    client_.reset();
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      EXPECT_EQ(WaitExit(pid_, absl::Seconds(10)), 0) << ReadFile(log_);
+    }
+    unlink(log_.c_str());
+  }
+
+  // `n` tokens of keys for every layer (bf16 zeros: the echo server never reads them).
+  static v1::AppendKeysRequest Append(const std::string& id, int n) {
+    v1::AppendKeysRequest a;
+    a.set_sequence_id(id);
+    a.set_all_layers(true);
+    a.set_dtype(v1::VALUE_DTYPE_BF16);
+    a.set_keys(std::string(static_cast<size_t>(n) * kLayers * kHeadDim * 2, '\0'));
+    return a;
+  }
+
+  static v1::SelectBlocksRequest Select(const std::string& id, int n, int heads, int topk,
+                                        v1::ValueDtype dtype) {
+    v1::SelectBlocksRequest r;
+    r.set_sequence_id(id);
+    r.set_num_heads(heads);
+    r.set_query_dtype(dtype);
+    r.set_queries(std::string(static_cast<size_t>(n) * heads * kHeadDim *
+                                  (dtype == v1::VALUE_DTYPE_FP32 ? 4 : 2),
+                              '\0'));
+    if (topk > 0) r.set_topk(topk);
+    *r.mutable_append() = Append(id, 1);
+    return r;
+  }
+
+  // The answer has n x H x topk ids, each row 0..topk-1, and lengths of one appended token.
+  static void ExpectShape(const v1::SelectBlocksResponse& r, int n, int heads, int topk) {
+    EXPECT_EQ(r.num_tokens(), static_cast<uint32_t>(n));
+    EXPECT_EQ(r.num_heads(), static_cast<uint32_t>(heads));
+    EXPECT_EQ(r.topk(), static_cast<uint32_t>(topk));
+    const std::vector<int32_t> ids = Ints(r.block_ids());
+    ASSERT_EQ(ids.size(), static_cast<size_t>(n * heads * topk));
+    for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(ids[i], static_cast<int32_t>(i % topk));
+    EXPECT_THAT(r.lengths(), ::testing::ElementsAre(1, 1));
+  }
+
+  std::string log_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::unique_ptr<client::IndexerClient> client_;
+};
+
+TEST_F(EchoServerTest, AnswersEveryRpcWithTheRightShape) {
+  absl::StatusOr<v1::ServerInfoResponse> info = client_->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "echo");
+  EXPECT_EQ(info->head_dim(), static_cast<uint32_t>(kHeadDim));
+  EXPECT_EQ(info->layers(), static_cast<uint32_t>(kLayers));
+  EXPECT_EQ(info->default_topk(), 8u);
+  EXPECT_GT(info->free_pages(), 1000000u);
+  absl::StatusOr<client::HealthStatus> health = client_->Health("indexer.v1.Indexer");
+  ASSERT_TRUE(health.ok());
+  EXPECT_EQ(*health, client::HealthStatus::kServing);
+
+  absl::StatusOr<v1::AppendKeysResponse> appended = client_->AppendKeys(Append("a", 300));
+  ASSERT_TRUE(appended.ok()) << appended.status();
+  EXPECT_THAT(appended->lengths(), ::testing::ElementsAre(300, 300));
+  EXPECT_EQ(appended->num_blocks(), 3u);
+
+  absl::StatusOr<v1::SelectBlocksResponse> selected =
+      client_->SelectBlocks(Select("a", 2, 3, 5, v1::VALUE_DTYPE_BF16));
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  ExpectShape(*selected, 2, 3, 5);
+  // fp32 queries are twice the bytes for the same shape; no topk: the default.
+  selected = client_->SelectBlocks(Select("a", 3, 1, 0, v1::VALUE_DTYPE_FP32));
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  ExpectShape(*selected, 3, 1, 8);
+
+  v1::BatchRequest batch;
+  batch.set_request_id(77);
+  for (int i = 0; i < 3; ++i) *batch.add_items() = Select("b", 1, 4, 16, v1::VALUE_DTYPE_BF16);
+  absl::StatusOr<v1::BatchResponse> answered = client_->Batch(batch);
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  EXPECT_EQ(answered->request_id(), 77u);
+  ASSERT_EQ(answered->results_size(), 3);
+  for (const v1::BatchItemResult& r : answered->results()) {
+    EXPECT_EQ(r.code(), 0);
+    ExpectShape(r.result(), 1, 4, 16);
+  }
+
+  std::unique_ptr<client::BatchStream> stream = client_->OpenBatchStream();
+  for (uint64_t step = 1; step <= 3; ++step) {
+    batch.set_request_id(step);
+    absl::StatusOr<v1::BatchResponse> r = stream->Step(batch);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->request_id(), step);
+    EXPECT_EQ(r->results_size(), 3);
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+
+  EXPECT_TRUE(client_->TruncateSequence("a", 10).ok());
+  EXPECT_TRUE(client_->ForkSequence("a", "c").ok());
+  EXPECT_TRUE(client_->GetSequence("a").ok());
+  EXPECT_TRUE(client_->ReleaseSequence("a").ok());
+  absl::StatusOr<v1::GetStatsResponse> stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->families_size(), 0);
+}
+
+TEST_F(EchoServerTest, IndexerBenchRunsAgainstIt) {
+  const char* bench = std::getenv("INDEXER_BENCH_BINARY");
+  ASSERT_NE(bench, nullptr);
+  const std::string json = ::testing::TempDir() + "/echo-bench.json";
+  const std::string log = ::testing::TempDir() + "/echo-bench.log";
+  for (const char* style : {"unary", "batch", "stream"}) {
+    const pid_t pid =
+        Spawn({bench, absl::StrCat("--servers=127.0.0.1:", port_), absl::StrCat("--style=", style),
+               "--concurrency=2", "--batch=2", "--prefill=300", "--prefill_chunk=128",
+               "--decode_steps=1000", "--rewind=16", "--heads=2", "--duration=500ms",
+               "--warmup=100ms", "--progress=off", "--json=" + json},
+              log);
+    ASSERT_GT(pid, 0);
+    ASSERT_EQ(WaitExit(pid, absl::Seconds(60)), 0) << ReadFile(log);
+    google::protobuf::Struct report;
+    ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(ReadFile(json), &report).ok());
+    const google::protobuf::Struct& stage =
+        report.fields().at("stages").list_value().values(0).struct_value();
+    EXPECT_GT(stage.fields().at("requests").struct_value().fields().at("ok").number_value(), 0)
+        << style;
+    const google::protobuf::Struct& server = stage.fields().at("server_stats").struct_value();
+    EXPECT_FALSE(server.fields().at("available").bool_value());
+    EXPECT_THAT(server.fields().at("note").string_value(), HasSubstr("no backend figures"));
+  }
+  unlink(json.c_str());
+  unlink(log.c_str());
+}
+
+TEST(EchoServerFlags, RefusedValueExits2) {
+  const char* binary = std::getenv("INDEXER_ECHO_SERVER_BINARY");
+  ASSERT_NE(binary, nullptr);
+  const std::string log = ::testing::TempDir() + "/echo-flags.log";
+  const pid_t pid = Spawn({binary, "--listen=127.0.0.1:0", "--head_dim=0"}, log);
+  ASSERT_GT(pid, 0);
+  EXPECT_EQ(WaitExit(pid, absl::Seconds(10)), 2);
+  EXPECT_THAT(ReadFile(log), HasSubstr("--head_dim"));
+  unlink(log.c_str());
+}
+
+}  // namespace
+}  // namespace indexer::bench

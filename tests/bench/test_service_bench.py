@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""scripts/service_bench.py --device cpu --quick, end to end, on the CPU backend.
+
+Runs the real indexer-server, indexer-echo-server and indexer-bench from the build folder and
+checks what the script wrote: every quick case ran with sane figures (latencies ordered, rates
+positive, the kernel time read from the server and below the step latency, overhead = p50 -
+kernel, every target computed), the per-case JSON reports parse, the markdown table lists every
+case, and no server it started is left running. Then the failure paths: a server that refuses
+its flags fails the case (exit 1), an unknown case is a usage error (exit 2).
+
+Environment (set by tests/bench/CMakeLists.txt): INDEXER_SOURCE_DIR, INDEXER_BUILD_DIR,
+INDEXER_TEST_OUT (a scratch folder).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import unittest
+
+SOURCE = os.environ.get("INDEXER_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "../.."))
+BUILD = os.environ.get("INDEXER_BUILD_DIR", os.path.join(SOURCE, "build"))
+OUT = os.environ.get("INDEXER_TEST_OUT", "/tmp/service_bench_quick_test")
+SCRIPT = os.path.join(SOURCE, "scripts", "service_bench.py")
+
+QUICK_CASES = ["decode_b1_l1k_h1", "decode_b1_l1k_h1_echo", "decode_b8_l2k_h1",
+               "decode_b4_l2k_h4", "unary_16_l2k_on", "unary_16_l2k_off", "small_8_l512_indexer",
+               "small_8_l512_echo"]
+INDEXER_DECODE = ["decode_b1_l1k_h1", "decode_b8_l2k_h1", "decode_b4_l2k_h4"]
+
+
+def run(args, timeout=150):
+    return subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--quick", "--bin", BUILD]
+                          + args, capture_output=True, text=True, timeout=timeout)
+
+
+def gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+class ServiceBenchQuick(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        shutil.rmtree(OUT, ignore_errors=True)
+        cls.out = os.path.join(OUT, "full")
+        cls.result = run(["--out", cls.out])
+        with open(os.path.join(cls.out, "summary.json")) as f:
+            cls.summary = json.load(f)
+        cls.rows = {r["case"]: r for r in cls.summary["cases"]}
+
+    def test_exit_and_table(self):
+        r = self.result
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("| case | what | p50 us | p99 us | kernel us | overhead us |", r.stdout)
+        with open(os.path.join(self.out, "service_bench.md")) as f:
+            md = f.read()
+        for case in QUICK_CASES:
+            self.assertIn("| %s |" % case, r.stdout)
+            self.assertIn("| %s |" % case, md)
+        # The multigpu cases are not selected without --devices.
+        self.assertNotIn("multigpu", md)
+        # Few files (the GPU machine's tool brings back at most eight).
+        self.assertEqual(sorted(os.listdir(self.out)), ["logs.txt", "service_bench.md",
+                                                        "summary.json"])
+        logs = open(os.path.join(self.out, "logs.txt")).read()
+        self.assertIn("==== main.log ====", logs)
+        self.assertIn("serving on port", logs)
+
+    def test_every_case_sane(self):
+        self.assertEqual(sorted(self.rows), sorted(QUICK_CASES))
+        for name, row in self.rows.items():
+            with self.subTest(case=name):
+                self.assertEqual(row["status"], "ok", row.get("note"))
+                self.assertEqual(row["errors"], 0)
+                self.assertGreater(row["requests"], 10)
+                self.assertGreater(row["p50_us"], 0)
+                self.assertLessEqual(row["p50_us"], row["p99_us"])
+                self.assertGreater(row["rate"], 0)
+                self.assertGreater(row["measured_s"], 0.5)
+                # Closed loop: rate ~ concurrency / mean latency (Little's law), loosely.
+                clients = {"decode": 1, "unary": 16, "small": 8}[row["group"]]
+                self.assertLess(row["rate"], 2.0 * clients / (row["mean_us"] * 1e-6))
+                self.assertGreater(row["rate"], 0.3 * clients / (row["mean_us"] * 1e-6))
+                if name.endswith("_echo"):
+                    self.assertEqual(row["backend"], "echo")
+                    self.assertNotIn("kernel_us", row)
+                else:
+                    self.assertEqual(row["backend"], "cpu")
+                    self.assertGreater(row["kernel_us"], 0)
+                    self.assertGreater(row["spans_per_launch"], 0)
+                report = self.summary["reports"][name]
+                self.assertEqual(report["tool"], "indexer-bench")
+                stage = report["stages"][0]
+                self.assertEqual(stage["requests"]["ok"], row["requests"])
+                self.assertEqual(stage["server_stats"]["available"], not name.endswith("_echo"))
+
+    def test_decode_kernel_time_and_targets(self):
+        for name in INDEXER_DECODE:
+            with self.subTest(case=name):
+                row = self.rows[name]
+                # One caller: the kernels of a step take part of its latency, never more.
+                self.assertLess(row["kernel_us"], row["p50_us"])
+                self.assertAlmostEqual(row["overhead_us"], row["p50_us"] - row["kernel_us"])
+                self.assertAlmostEqual(row["vs_target"], (row["kernel_us"] + 60) / row["p50_us"])
+                self.assertAlmostEqual(row["launches_per_request"], 1.0, delta=0.1)
+                self.assertIn(row["met"], (True, False))
+        self.assertEqual(self.rows["decode_b1_l1k_h1"]["echo_p50_us"],
+                         self.rows["decode_b1_l1k_h1_echo"]["p50_us"])
+        on, off = self.rows["unary_16_l2k_on"], self.rows["unary_16_l2k_off"]
+        self.assertAlmostEqual(on["vs_target"], on["rate"] / off["rate"] / 5)
+        idx, echo = self.rows["small_8_l512_indexer"], self.rows["small_8_l512_echo"]
+        self.assertAlmostEqual(idx["vs_target"], idx["rate"] / echo["rate"] / 0.8)
+        self.assertIn("of echo", idx["target"])
+
+    def test_servers_stopped(self):
+        started = self.summary["servers"]
+        self.assertEqual(sorted(s["server"] for s in started), ["echo", "main", "nobatch"]
+                         if self.summary["server_flags_batching"] else ["echo", "main"])
+        for s in started:
+            self.assertTrue(gone(s["pid"]), "server %s (pid %d) still runs" % (s["server"], s["pid"]))
+
+    def test_failures_are_reported(self):
+        out = os.path.join(OUT, "failing")
+        r = run(["--out", out, "--cases", "decode_b1_l1k_h1", "--capacity", "0"], timeout=60)
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        with open(os.path.join(out, "summary.json")) as f:
+            rows = json.load(f)["cases"]
+        self.assertEqual(rows[0]["status"], "failed")
+        self.assertIn("did not start", rows[0]["note"])
+        self.assertIn("| decode_b1_l1k_h1 |", r.stdout)
+        r = run(["--out", out, "--cases", "no_such_case"], timeout=60)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("unknown case", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

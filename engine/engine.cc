@@ -93,6 +93,7 @@ struct Engine::PreparedStep {
   std::shared_ptr<Sequence> seq;
   bool created = false;
   int64_t start_pos = 0;
+  int64_t charged = 0;  // answer bytes taken from the call's budget (given back on roll-back)
 };
 
 namespace {
@@ -140,7 +141,7 @@ int Engine::PlaceNew(int64_t blocks, std::vector<int64_t>& free,
   for (int d = 1; d < static_cast<int>(free.size()); ++d) {
     if (free[d] - planned[d] > free[best] - planned[best]) best = d;
   }
-  planned[best] += blocks;
+  (void)blocks;
   return best;
 }
 
@@ -387,6 +388,9 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
           s->seq = sequences_.FindOrCreate(s->tenant, s->sequence_id, config_.layers, &created,
                                            device);
           s->created = s->created || created;
+          // Pages promised to a sequence this wave creates count against its device for the
+          // next placement (a sequence found, or created by another call, takes none here).
+          if (created && !planned.empty()) planned[device] += BlocksFor(s->append.num_tokens);
         }
       }
       if (s->seq == nullptr) {
@@ -431,6 +435,8 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
     if (!u.attn_decided) seq.has_attn_pages = false;
     if (s->created && seq.Empty() && sequences_.EraseIfSame(s->seq)) seq.released = true;
     results[s->index] = status;
+    budget += s->charged;  // nothing of this step is answered
+    s->charged = 0;
   };
 
   std::vector<SelectTask> tasks;
@@ -459,6 +465,7 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
             " left; ask for fewer tokens, heads or topk per call"));
       } else {
         budget -= bytes;
+        s->charged = bytes;
       }
     }
     AppendUndo before{seq.lengths, seq.pages.size(), seq.attn_pages.size(), seq.attn_decided, {}};
@@ -472,6 +479,8 @@ void Engine::RunWave(std::span<PreparedStep*> wave,
     }
     if (!status.ok()) {
       results[s->index] = status;
+      budget += s->charged;
+      s->charged = 0;
       if (s->created && !seq.released && seq.Empty() && sequences_.EraseIfSame(s->seq)) {
         seq.released = true;
       }

@@ -232,8 +232,9 @@ class Engine {
   int64_t AnswerBytes(const PreparedStep& step, bool attn_pages) const;
   void ReleaseReplaced(const std::vector<std::pair<int64_t, int32_t>>& replaced);
   // The device for a new sequence that will first need `blocks` pages: the most free pages net
-  // of `planned` (pages this wave's new sequences will take, per device; updated), ties to the
-  // lower index. `free` is filled on first use.
+  // of `planned` (pages this wave's new sequences will take, per device: the caller adds a
+  // sequence's pages once it was created), ties to the lower index. `free` and `planned` are
+  // filled on first use.
   int PlaceNew(int64_t blocks, std::vector<int64_t>& free, std::vector<int64_t>& planned) const;
   // ReadPages / WritePages for global page ids on any devices (split into runs per device).
   absl::Status ReadPagesAnyDevice(std::span<const int32_t> pages, uint8_t* dst);

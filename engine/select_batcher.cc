@@ -1,6 +1,7 @@
 #include "engine/select_batcher.h"
 
 #include <algorithm>
+#include <exception>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -59,9 +60,15 @@ SelectTicket SelectBatcher::Submit(std::span<const SelectTask> tasks, const Call
                                    bool may_run_here) {
   if (tasks.empty()) return SelectTicket::Ready(absl::OkStatus());
   EngineObserver* observer = observer_.load();
+  // A call that has already run out of time (it may have waited long for its sequences' locks)
+  // or was cancelled is not selected, whichever path it would take.
+  if (absl::Status late = control.Check(); !late.ok()) {
+    if (observer != nullptr) observer->OnBatchDropped(late.code());
+    return SelectTicket::Ready(std::move(late));
+  }
   if (!config_.enabled) {
     const absl::Time start = absl::Now();
-    absl::Status status = backend_.Select(tasks, page_table_);
+    absl::Status status = GuardedSelect(tasks);
     if (observer != nullptr) {
       observer->OnBackendSelect(static_cast<int64_t>(tasks.size()), absl::Now() - start);
     }
@@ -99,7 +106,7 @@ SelectTicket SelectBatcher::Submit(std::span<const SelectTask> tasks, const Call
   if (run_here) {
     if (observer != nullptr) observer->OnBatchQueued(absl::ZeroDuration());
     const absl::Time start = absl::Now();
-    absl::Status status = backend_.Select(tasks, page_table_);
+    absl::Status status = GuardedSelect(tasks);
     if (observer != nullptr) {
       observer->OnBackendSelect(n, absl::Now() - start);
       observer->OnBatchLaunched(1);
@@ -117,6 +124,18 @@ SelectTicket SelectBatcher::Submit(std::span<const SelectTask> tasks, const Call
   }
   cv_.notify_all();
   return SelectTicket(std::move(done));
+}
+
+// The backend's Select, with an exception (say std::bad_alloc from a staging vector) turned into
+// INTERNAL: it must neither end a worker thread (std::terminate) nor skip the caller's clean-up.
+absl::Status SelectBatcher::GuardedSelect(std::span<const SelectTask> tasks) {
+  try {
+    return backend_.Select(tasks, page_table_);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("the backend's selection failed: ", e.what()));
+  } catch (...) {
+    return absl::InternalError("the backend's selection failed with an unknown exception");
+  }
 }
 
 bool SelectBatcher::ReadyLocked(Clock::time_point now) const {
@@ -184,13 +203,18 @@ void SelectBatcher::Launch(std::vector<Group>& batch, std::vector<SelectTask>& m
   }
   if (live.empty()) return;
   std::span<const SelectTask> tasks = live.front()->tasks;
+  absl::Status status;
   if (live.size() > 1) {
-    merged.clear();
-    for (const Group* g : live) merged.insert(merged.end(), g->tasks.begin(), g->tasks.end());
-    tasks = merged;
+    try {
+      merged.clear();
+      for (const Group* g : live) merged.insert(merged.end(), g->tasks.begin(), g->tasks.end());
+      tasks = merged;
+    } catch (const std::exception& e) {
+      status = absl::InternalError(absl::StrCat("merging selections failed: ", e.what()));
+    }
   }
   const absl::Time start = absl::Now();
-  const absl::Status status = backend_.Select(tasks, page_table_);
+  if (status.ok()) status = GuardedSelect(tasks);
   if (observer != nullptr) {
     observer->OnBackendSelect(static_cast<int64_t>(tasks.size()), absl::Now() - start);
     observer->OnBatchLaunched(static_cast<int64_t>(live.size()));

@@ -106,6 +106,7 @@ class SelectBatcher {
   // One worker: forms launches from the queue and runs them until stopped and drained.
   void Work();
   // Whether a launch should start now. Needs mu_ and a non-empty queue.
+  absl::Status GuardedSelect(std::span<const SelectTask> tasks);
   bool ReadyLocked(Clock::time_point now) const;
   // Drops cancelled and expired groups, runs one Select for the rest, completes every group.
   void Launch(std::vector<Group>& batch, std::vector<SelectTask>& merged);

@@ -588,8 +588,13 @@ absl::Status CudaBackend::Select(std::span<const SelectTask> tasks,
   const size_t counter_bytes = std::max<size_t>(batch.n_decode, 1) * sizeof(int);
   if (lane.d_counters.bytes() < counter_bytes) {
     INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_counters, counter_bytes));
-    INDEXER_RETURN_IF_ERROR(CudaStatus(
-        cudaMemsetAsync(lane.d_counters.get(), 0, lane.d_counters.bytes(), st), "cudaMemsetAsync"));
+    const absl::Status zeroed = CudaStatus(
+        cudaMemsetAsync(lane.d_counters.get(), 0, lane.d_counters.bytes(), st), "cudaMemsetAsync");
+    if (!zeroed.ok()) {
+      // Counters that were never zeroed must not be used: the next call allocates them again.
+      lane.d_counters.Reset();
+      return zeroed;
+    }
   }
   kernels::cuda::LaunchList launches;
   absl::Status status = CudaStatus(

@@ -6,8 +6,9 @@
 // Thread-safe and concurrent: every call takes one of the backend's lanes (each with its own
 // stream, pinned staging, device buffers, score scratch, counters and graph cache), waiting
 // while all are busy, so that concurrent selections overlap one's copies with another's
-// kernels. Every call first makes the backend's device current on the calling thread (and
-// restores the caller's device on return), and returns only once its work on the device is
+// kernels. Every call first makes the backend's device current on the calling thread (it does
+// not restore the previous device: callers mixing devices set theirs before each CUDA call),
+// and returns only once its work on the device is
 // complete, so what one call wrote is visible to any later call, whatever lane it takes.
 //
 // Page ids are global everywhere: KeyWrite and SelectTask block tables, CopyPage, ReadPages,

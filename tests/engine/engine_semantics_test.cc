@@ -897,6 +897,33 @@ TEST_F(EngineTest, AWaveWritesItsKeysInOneBackendCall) {
   ExpectSelects("d", 0, 2);
 }
 
+// The answer budget (max_response_bytes) a step took is given back when the step fails after
+// taking it: a later item of the same call still fits.
+TEST_F(EngineTest, AFailedStepGivesItsAnswerBytesBack) {
+  EngineConfig c = TestConfig();
+  // One item's answer: 64 + 8 per layer + 4 bytes per block id (1 token x 1 head x topk 8).
+  c.max_response_bytes = 64 + 8 * c.layers + 4 * 8;
+  Init(c);
+  AppendOk("a", 0, 300);
+  const std::string q = Bytes(Keys(1));
+  const std::string k = Bytes(Keys(1));
+  const std::vector<int32_t> attn = {7};
+  std::vector<StepRequest> items(2);
+  for (StepRequest& s : items) {
+    s.sequence_id = "a";  // the same sequence: two waves, in item order
+    s.num_heads = 1;
+    s.query_dtype = WireDtype::kBf16;
+    s.queries = q;
+  }
+  // Fails when its append is applied (the sequence has no attention pages), after the budget
+  // check.
+  items[0].append = AppendRequest{"", 0, false, WireDtype::kBf16, k, attn};
+  const auto results = engine_->Batch(items);
+  EXPECT_EQ(results[0].status().code(), absl::StatusCode::kFailedPrecondition) << results[0].status();
+  ASSERT_TRUE(results[1].ok()) << results[1].status();
+  ExpectSelects("a", 0, 1, std::nullopt, /*heads=*/1);
+}
+
 // engine.h: "Every failed request leaves the engine exactly as it found it". A select whose
 // append copied a shared page and whose selection then fails must give the copy back too.
 TEST_F(EngineTest, BackendFailureAfterACopyOnWriteAppendLeavesTheEngineAsItWas) {

@@ -260,6 +260,28 @@ TEST_F(BatcherTest, AnIdleBatcherLaunchesOnTheCallersThread) {
   EXPECT_NE(backend_.threads().back(), std::this_thread::get_id());
 }
 
+// A call already past its deadline (or cancelled) when it reaches the batcher is not selected on
+// any path: not on the caller's thread, not with batching off.
+TEST_F(BatcherTest, LateCallsAreRefusedOnEveryPath) {
+  CallControl expired;
+  expired.deadline = absl::Now() - absl::Milliseconds(1);
+  CallControl cancelled;
+  cancelled.cancelled = [] { return true; };
+  std::vector<SelectTask> tasks = Tasks(2);
+  for (const bool batching : {true, false}) {
+    EngineConfig c = BatchConfig(256, 0, 8192, /*max_inflight=*/1);
+    c.batching.enabled = batching;
+    batcher_.reset();
+    Start(c);
+    EXPECT_EQ(batcher_->Submit(tasks, expired, /*may_run_here=*/true).Wait().code(),
+              absl::StatusCode::kDeadlineExceeded);
+    EXPECT_EQ(batcher_->Submit(tasks, cancelled, /*may_run_here=*/true).Wait().code(),
+              absl::StatusCode::kCancelled);
+    EXPECT_EQ(batcher_->Submit(tasks, expired).Wait().code(), absl::StatusCode::kDeadlineExceeded);
+  }
+  EXPECT_TRUE(backend_.calls().empty());
+}
+
 TEST_F(BatcherTest, ABusyBatcherQueuesEvenWhenTheCallerMayRun) {
   Start(BatchConfig(256, 0, 8192, /*max_inflight=*/1));
   SelectTicket first = HoldFirstLaunch();

@@ -1,7 +1,7 @@
 // Support for the security tests: temporary folders, test certificates made with the openssl
 // tool (make_test_certs.sh), token files, in-process servers with security options, clients
 // with TLS and tokens, a workload that exercises every kind of state a snapshot must keep, and
-// child processes for the real binaries.
+// the real indexer-server as a child process (tests/server/child_process.h).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -18,6 +18,7 @@
 #include "client/cpp/indexer_client.h"
 #include "server/indexer_server.h"
 #include "server/server_options.h"
+#include "tests/server/child_process.h"
 
 namespace indexer::testing {
 
@@ -36,7 +37,6 @@ class TempDir {
 };
 
 void WriteFile(const std::string& path, const std::string& contents, int mode = 0600);
-std::string ReadFile(const std::string& path);
 bool FileExists(const std::string& path);
 
 // Test PKI made by make_test_certs.sh (path from $INDEXER_MAKE_TEST_CERTS) in `dir`: file paths
@@ -95,30 +95,9 @@ void ExpectSameSequences(const std::vector<v1::GetSequenceResponse>& before,
 std::vector<v1::GetSequenceResponse> Describe(client::IndexerClient& c,
                                               const std::vector<std::string>& ids);
 
-// A child process whose stdout and stderr go to a log file.
-class Child {
- public:
-  explicit Child(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
-  ~Child();  // SIGKILLs the child if it still runs
-  // The exit code once it exits within `timeout` (-signal when killed by one); nullopt if not.
-  std::optional<int> Wait(absl::Duration timeout);
-  std::string Log() const;
-  pid_t pid() const { return pid_; }
-
- private:
-  pid_t pid_ = -1;
-  std::string log_path_;
-  std::optional<int> status_;
-};
 
 // Starts indexer-server ($INDEXER_SERVER_BINARY) on a loopback port it picks, with `flags`, and
 // waits for its "serving on port" line; nullptr (and a test failure) when it does not start.
 std::unique_ptr<Child> StartServerBinary(const std::vector<std::string>& flags, int* port);
-// Runs a binary to its end (at most a minute): exit code and output.
-struct RunResult {
-  int code = -1;
-  std::string output;
-};
-RunResult RunToEnd(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
 
 }  // namespace indexer::testing

@@ -1,7 +1,6 @@
 // The real binaries: indexer-server's flag checking and its SIGTERM drain, and indexer-cli
 // against a running server. Paths come from INDEXER_SERVER_BINARY / INDEXER_CLI_BINARY, which
 // tests/server/CMakeLists.txt sets.
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,18 +10,15 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <fstream>
 #include <optional>
 #include <regex>
-#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/cpp/indexer_client.h"
-
-extern char** environ;
+#include "tests/server/child_process.h"
 
 namespace indexer::client {
 namespace {
@@ -34,89 +30,9 @@ std::string BinaryPath(const char* variable) {
   return path == nullptr ? "" : path;
 }
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// A child process whose stdout and stderr go to one log file.
-class Child {
- public:
-  Child(const std::vector<std::string>& argv, const std::vector<std::string>& extra_env = {}) {
-    char name[] = "/tmp/indexer-binary-test-XXXXXX";
-    const int fd = mkstemp(name);
-    log_path_ = name;
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
-    for (const std::string& e : extra_env) env.push_back(e);
-    std::vector<char*> args, envp;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    for (const std::string& e : env) envp.push_back(const_cast<char*>(e.c_str()));
-    envp.push_back(nullptr);
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-      // The test blocks nothing, but make sure the child starts with default signal handling.
-      sigset_t none;
-      sigemptyset(&none);
-      sigprocmask(SIG_SETMASK, &none, nullptr);
-      execve(args[0], args.data(), envp.data());
-      _exit(127);
-    }
-    close(fd);
-  }
-  ~Child() {
-    if (pid_ > 0 && !status_) {
-      kill(pid_, SIGKILL);
-      int s;
-      waitpid(pid_, &s, 0);
-    }
-    unlink(log_path_.c_str());
-  }
-
-  // The exit code once the child exits within `timeout`; nullopt if it did not (or was killed
-  // by a signal: then -signal).
-  std::optional<int> Wait(absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (!status_) {
-      int s = 0;
-      const pid_t r = waitpid(pid_, &s, WNOHANG);
-      if (r == pid_) {
-        status_ = WIFEXITED(s) ? WEXITSTATUS(s) : -WTERMSIG(s);
-        break;
-      }
-      if (absl::Now() > deadline) return std::nullopt;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return status_;
-  }
-
-  std::string Log() const { return ReadFile(log_path_); }
-  pid_t pid() const { return pid_; }
-
- private:
-  pid_t pid_ = -1;
-  std::string log_path_;
-  std::optional<int> status_;
-};
-
-struct RunResult {
-  int code = -1;
-  std::string output;
-};
-
-RunResult RunToEnd(const std::vector<std::string>& argv, const std::vector<std::string>& env = {}) {
-  Child child(argv, env);
-  RunResult r;
-  std::optional<int> code = child.Wait(absl::Seconds(60));
-  r.code = code.value_or(-1000);
-  r.output = child.Log();
-  return r;
-}
+using ::indexer::testing::Child;
+using ::indexer::testing::RunResult;
+using ::indexer::testing::RunToEnd;
 
 class BinaryTest : public ::testing::Test {
  protected:

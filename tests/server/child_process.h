@@ -1,0 +1,45 @@
+// Child processes for the tests that run the real binaries (indexer-server, indexer-cli,
+// indexer-bench): started with fork/execve, stdout and stderr in one log file, killed if still
+// running when the Child goes away. Test-only code.
+#pragma once
+
+#include <sys/types.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace indexer::testing {
+
+// The whole file (empty when it cannot be read).
+std::string ReadFile(const std::string& path);
+
+// A child process whose stdout and stderr go to a log file.
+class Child {
+ public:
+  // `env` is added to this process's environment. The child starts with no signal blocked.
+  explicit Child(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
+  ~Child();  // SIGKILLs the child if it still runs
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+  // The exit code once it exits within `timeout` (-signal when killed by one); nullopt if not.
+  std::optional<int> Wait(absl::Duration timeout);
+  std::string Log() const;
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+  std::string log_path_;
+  std::optional<int> status_;
+};
+
+// Runs a binary to its end (at most a minute): exit code (-1000 if it did not end) and output.
+struct RunResult {
+  int code = -1;
+  std::string output;
+};
+RunResult RunToEnd(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
+
+}  // namespace indexer::testing

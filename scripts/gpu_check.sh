@@ -5,7 +5,8 @@
 # Logs go to $OUT (default ./gpu-out).
 #
 #   scripts/gpu_check.sh [tests|bench|all]    (default all)
-#     tests: GPU tests and compute-sanitizer; bench: our benchmark only; all: both, then the seed
+#     tests: GPU tests and compute-sanitizer; bench: our benchmark and the streaming probe;
+#     all: both, then the seed
 #   scripts/gpu_check.sh faults
 #     GPU faults: a capacity larger than the card must fail at start with a clear message, and
 #     the fuzz corpus (tests/fuzz/corpus) replayed on the CUDA backend must hold every invariant
@@ -65,6 +66,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   step "kernel benchmark"
   $bundle/indexer-kernel-bench --preset=all --storage=both > "$out/kernel_bench.jsonl" 2>&1 || status=1
   grep -v '^{' "$out/kernel_bench.jsonl"
+  step "streaming probe (access patterns on the B=256 L=128K bytes)"
+  $bundle/indexer-stream-probe 262144 2>&1 | tee "$out/stream_probe.txt" || status=1
 fi
 if [ "$what" = sweep ]; then
   # Blocks per CTA against bandwidth on the large decode cases.

@@ -11,33 +11,21 @@
 #include <vector>
 
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/indexer_server.h"
 #include "server/server_options.h"
+#include "server/startup.h"
 
 int main(int argc, char** argv) {
-  // Signals are taken synchronously by sigwait below; block them before any thread exists so
-  // that every thread inherits the mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-
-  absl::FlagsUsageConfig usage;
-  const auto ours = [](absl::string_view file) { return absl::StrContains(file, "server/"); };
-  usage.contains_help_flags = ours;
-  usage.contains_helpshort_flags = ours;
-  usage.version_string = [] { return std::string("indexer-server ") + indexer::server::Version() + "\n"; };
-  absl::SetFlagsUsageConfig(usage);
-  absl::SetProgramUsageMessage(
+  // First, before any thread exists: every thread inherits the mask, so only Wait takes them.
+  indexer::server::ShutdownSignals signals;
+  indexer::server::SetCommandLineUsage(
+      "server/",
       "Serves sparse-attention block selection (the MiniMax M3 lightning indexer) over gRPC.\n"
       "Every flag can also be set by an environment variable INDEXER_<FLAG>, e.g. "
-      "INDEXER_CAPACITY=4GiB.\nUsage: indexer-server [flags]");
+      "INDEXER_CAPACITY=4GiB.\nUsage: indexer-server [flags]",
+      [] { return std::string("indexer-server ") + indexer::server::Version() + "\n"; });
   std::vector<std::string> args = indexer::server::ArgsWithEnvironment(argc, argv);
   std::vector<char*> arg_ptrs;
   for (auto& a : args) arg_ptrs.push_back(a.data());
@@ -67,8 +55,7 @@ int main(int argc, char** argv) {
                  slot.first_page + slot.num_pages - 1);
   }
 
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = signals.Wait();
   spdlog::info("received {}, draining in-flight calls for up to {} s", sig == SIGINT ? "SIGINT" : "SIGTERM",
                options->drain_seconds);
   (*server)->Shutdown(absl::Seconds(options->drain_seconds), absl::Seconds(options->not_serving_seconds));

@@ -17,7 +17,6 @@
 // Exits 0 on SIGINT/SIGTERM, 1 when it cannot listen, 2 for a refused flag value.
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <signal.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -28,12 +27,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "indexer/v1/indexer.grpc.pb.h"
 #include "server/request_executor.h"
+#include "server/startup.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50052",
           "gRPC listen address, host:port (port 0 picks one; the port is printed)");
@@ -245,19 +242,10 @@ class EchoService final : public v1::Indexer::CallbackService {
 }  // namespace indexer::bench
 
 int main(int argc, char** argv) {
-  // Signals are taken synchronously by sigwait; block them before any thread exists.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-
-  absl::FlagsUsageConfig usage;
-  const auto ours = [](absl::string_view file) { return absl::StrContains(file, "echo_server"); };
-  usage.contains_help_flags = ours;
-  usage.contains_helpshort_flags = ours;
-  absl::SetFlagsUsageConfig(usage);
-  absl::SetProgramUsageMessage(
+  // First, before any thread exists: every thread inherits the mask, so only Wait takes them.
+  indexer::server::ShutdownSignals signals;
+  indexer::server::SetCommandLineUsage(
+      "echo_server",
       "The gRPC floor of the indexer service: serves indexer.v1.Indexer with the real server's\n"
       "gRPC settings and answers every call OK with an answer of the right shape and size,\n"
       "keeping and computing nothing. For scripts/service_bench.py and indexer-bench.\n"
@@ -302,8 +290,7 @@ int main(int argc, char** argv) {
                handler_threads);
   std::fflush(stderr);
 
-  int sig = 0;
-  sigwait(&signals, &sig);
+  signals.Wait();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   server->Wait();
   if (executor != nullptr) executor->Stop();

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -142,6 +143,11 @@ class CudaBackend final : public KeyCacheBackend {
   // Largest |key| ever written to a layer: decides when selections need the exact path.
   float KeyMax(int layer) const { return key_max_abs_[layer].load(std::memory_order_acquire); }
   void RaiseKeyMax(int layer, float m);
+  // ReadPages (HostByte = uint8_t: pool to host) and WritePages (HostByte = const uint8_t: host
+  // to pool): moves `pages` (global ids), every layer, between the pool and `host`, laid out
+  // [pages][layers][page_bytes_], through the lane's pinned staging kPageStagingBytes at a time.
+  template <typename HostByte>
+  absl::Status TransferPages(std::span<const int32_t> pages, HostByte* host);
 
   const EngineConfig config_;
   const DeviceSlot slot_;
@@ -424,70 +430,54 @@ absl::Status CudaBackend::CopyPage(int32_t src, int32_t dst) {
   return finished;
 }
 
-absl::Status CudaBackend::ReadPages(std::span<const int32_t> pages, uint8_t* dst) {
+template <typename HostByte>
+absl::Status CudaBackend::TransferPages(std::span<const int32_t> pages, HostByte* host) {
+  constexpr bool kToHost = !std::is_const_v<HostByte>;
+  constexpr cudaMemcpyKind kKind = kToHost ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+  const char* const what = kToHost ? "read pages" : "write pages";
+  const char* const copy_what = kToHost ? "cudaMemcpyAsync(read page)" : "cudaMemcpyAsync(write page)";
   if (pages.empty()) return absl::OkStatus();
   std::vector<int32_t> local(pages.size());
-  INDEXER_RETURN_IF_ERROR(ToLocal(pages.data(), static_cast<int64_t>(pages.size()), local.data(), "read pages"));
+  INDEXER_RETURN_IF_ERROR(ToLocal(pages.data(), static_cast<int64_t>(pages.size()), local.data(), what));
   INDEXER_RETURN_IF_ERROR(EnterDevice());
   LaneLease lease(this);
   Lane& lane = lease.lane();
   const int64_t bytes_per_page = config_.layers * page_bytes_;
   const int64_t chunk = std::max<int64_t>(1, kPageStagingBytes / bytes_per_page);
+  PinnedBuffer& staging = kToHost ? lane.h_out : lane.h_in;
   INDEXER_RETURN_IF_ERROR(
-      lane.Reserve(lane.h_out, std::min<int64_t>(chunk, static_cast<int64_t>(pages.size())) * bytes_per_page));
-  char* h = lane.h_out.get<char>();
-  const char* pool = pool_.get<char>();
+      lane.Reserve(staging, std::min<int64_t>(chunk, static_cast<int64_t>(pages.size())) * bytes_per_page));
+  char* h = staging.get<char>();
+  char* pool = pool_.get<char>();
   for (size_t first = 0; first < local.size(); first += chunk) {
     const size_t n = std::min<size_t>(chunk, local.size() - first);
+    HostByte* host_chunk = host + static_cast<int64_t>(first) * bytes_per_page;
+    if constexpr (!kToHost) std::memcpy(h, host_chunk, n * bytes_per_page);
     absl::Status status;
     for (size_t i = 0; i < n && status.ok(); ++i) {
       for (int l = 0; l < config_.layers && status.ok(); ++l) {
-        status = CudaStatus(
-            cudaMemcpyAsync(h + (static_cast<int64_t>(i) * config_.layers + l) * page_bytes_,
-                            pool + l * layer_bytes_ + local[first + i] * page_bytes_, page_bytes_,
-                            cudaMemcpyDeviceToHost, lane.stream.get()),
-            "cudaMemcpyAsync(read page)");
+        char* staged = h + (static_cast<int64_t>(i) * config_.layers + l) * page_bytes_;
+        char* page = pool + l * layer_bytes_ + local[first + i] * page_bytes_;
+        status = CudaStatus(cudaMemcpyAsync(kToHost ? staged : page, kToHost ? page : staged,
+                                            page_bytes_, kKind, lane.stream.get()),
+                            copy_what);
       }
     }
     // Wait even after a failed enqueue: copies already queued still use the staging buffer.
-    const absl::Status finished = lane.Finish("read pages");
+    const absl::Status finished = lane.Finish(what);
     INDEXER_RETURN_IF_ERROR(status);
     INDEXER_RETURN_IF_ERROR(finished);
-    std::memcpy(dst + static_cast<int64_t>(first) * bytes_per_page, h, n * bytes_per_page);
+    if constexpr (kToHost) std::memcpy(host_chunk, h, n * bytes_per_page);
   }
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::ReadPages(std::span<const int32_t> pages, uint8_t* dst) {
+  return TransferPages(pages, dst);
+}
+
 absl::Status CudaBackend::WritePages(std::span<const int32_t> pages, const uint8_t* src) {
-  if (pages.empty()) return absl::OkStatus();
-  std::vector<int32_t> local(pages.size());
-  INDEXER_RETURN_IF_ERROR(ToLocal(pages.data(), static_cast<int64_t>(pages.size()), local.data(), "write pages"));
-  INDEXER_RETURN_IF_ERROR(EnterDevice());
-  LaneLease lease(this);
-  Lane& lane = lease.lane();
-  const int64_t bytes_per_page = config_.layers * page_bytes_;
-  const int64_t chunk = std::max<int64_t>(1, kPageStagingBytes / bytes_per_page);
-  INDEXER_RETURN_IF_ERROR(
-      lane.Reserve(lane.h_in, std::min<int64_t>(chunk, static_cast<int64_t>(pages.size())) * bytes_per_page));
-  char* h = lane.h_in.get<char>();
-  char* pool = pool_.get<char>();
-  for (size_t first = 0; first < local.size(); first += chunk) {
-    const size_t n = std::min<size_t>(chunk, local.size() - first);
-    std::memcpy(h, src + static_cast<int64_t>(first) * bytes_per_page, n * bytes_per_page);
-    absl::Status status;
-    for (size_t i = 0; i < n && status.ok(); ++i) {
-      for (int l = 0; l < config_.layers && status.ok(); ++l) {
-        status = CudaStatus(
-            cudaMemcpyAsync(pool + l * layer_bytes_ + local[first + i] * page_bytes_,
-                            h + (static_cast<int64_t>(i) * config_.layers + l) * page_bytes_,
-                            page_bytes_, cudaMemcpyHostToDevice, lane.stream.get()),
-            "cudaMemcpyAsync(write page)");
-      }
-    }
-    const absl::Status finished = lane.Finish("write pages");
-    INDEXER_RETURN_IF_ERROR(status);
-    INDEXER_RETURN_IF_ERROR(finished);
-  }
+  INDEXER_RETURN_IF_ERROR(TransferPages(pages, src));
   // Selections pick their path from the largest key written (see KeyMax).
   const int64_t elems = page_bytes_ / kernels::KeyStorageBytes(config_.key_storage);
   for (size_t i = 0; i < pages.size(); ++i) {

@@ -2,21 +2,20 @@
 // CTA that finishes one of its blocks. One launch per batch.
 //
 // Work: every span's visible blocks are cut into units of chunk_blocks blocks; one CTA (8 warps)
-// per unit, so a long span spreads over the whole GPU next to short ones. Warp w scores tokens
-// [16w, 16w + 16) of each block of its unit: those 16 key rows are the A operand of
-// mma.m16n8k16, loaded straight from global memory into registers (16-byte loads, the next
-// block's tile in flight while the current one is scored); the span's rows (token, head) are the
-// B operand, 8 per n-tile, held in registers for the whole CTA. Per-warp block maxima meet in
-// shared memory at the end of the unit.
+// per unit, so a long span spreads over the whole GPU next to short ones. The CTA streams its
+// blocks' key pages into a ring of shared-memory stages with cp.async (each warp instruction
+// copies 512 contiguous bytes; kStages pages, 64 to 96 KB, in flight per CTA: docs/PERF.md has
+// the streaming probe that chose this over register loads and bulk copies). Warp w scores
+// tokens [16w, 16w + 16) of each staged block: those 16 key rows are the A operand of
+// mma.m16n8k16, read with ldmatrix from an XOR-swizzled layout (no bank conflicts); the span's
+// rows (token, head) are the B operand, 8 per n-tile, held in registers for the whole CTA.
+// Per-warp block maxima meet in shared memory and the block's scores are written one step later.
 //
-// Lane t of a quad owns the 16-byte chunks t, t + 4, t + 8, ... of every key row, so the four
-// lanes of a quad read 64 contiguous bytes and each 32-byte sector is fetched by one instruction
-// (staging through shared memory with cp.async fetched every sector twice, and a bulk-copy
-// pipeline streamed slower: docs/PERF.md). The dot product's dimensions are therefore permuted,
-// identically for keys and queries, which SPEC.md allows: only the summation order changes.
-// fp8 keys are converted to f16 (one exact instruction per pair) and that mma runs in f16 with
-// the queries converted to f16 too, exact for the queries the backend sends here
-// (|q| in [2^-14, 65504] or 0; others take the exact path).
+// fp8 keys are read as 16-bit pairs by ldmatrix and converted to f16 (one exact instruction per
+// pair), so their dot product's dimensions are permuted, identically for keys and queries, which
+// SPEC.md allows: only the summation order changes. That mma runs in f16 with the queries
+// converted to f16 too, exact for the queries the backend sends here (|q| in [2^-14, 65504] or
+// 0; others take the exact path).
 #pragma once
 
 #include "kernels/cuda/device_common.cuh"
@@ -51,47 +50,51 @@ __device__ __forceinline__ int FindSpan(const SpanDesc* spans, int num_spans, in
   return lo;
 }
 
+// FindSpan for the decode selector, by all 32 lanes of one warp: 32 probes per round, so two
+// dependent loads for up to 1024 spans instead of ten. Every lane returns the answer.
+__device__ __forceinline__ int FindSpanWarp(const SpanDesc* spans, int num_spans, int unit) {
+  const int lane = threadIdx.x & 31;
+  int lo = 0, end = num_spans;  // the answer is in [lo, end); spans[lo].unit_begin <= unit
+  while (end - lo > 1) {
+    const int step = (end - lo + 31) / 32;
+    const int idx = lo + lane * step;
+    const bool ok = idx < end && spans[idx].unit_begin <= unit;
+    const int last = 31 - __clz(__ballot_sync(0xffffffffu, ok));
+    lo += last * step;
+    end = min(end, lo + step);
+  }
+  return lo;
+}
+
 template <int D, KeyStorage S>
 struct DecodeShape {
   static constexpr int kRowBytes = S == KeyStorage::kBf16 ? D * 2 : D;
-  static constexpr int kLaneChunks = kRowBytes / 64;  // 16-byte chunks per lane per row
-  static constexpr int kRegs = D / 8;
-  // First dim of the pair in k-slots (2t + 8j, +1) of k-step ks.
+  static constexpr int kRowChunks = kRowBytes / 16;  // 16-byte chunks per key row: 4 to 32
+  static constexpr int kPageBytes = kRowBytes * kBlockSize;
+  static constexpr int kPageChunks = kPageBytes / 16;
+  // Pages in flight per CTA (docs/PERF.md): three 32 KB (or larger) pages, two CTAs per
+  // multiprocessor; smaller pages four or more, 64 KB in all (six 16 KB stages streamed slower
+  // than four on the H200).
+  static constexpr int kStages =
+      kPageBytes >= 32768 ? 3 : (65536 / kPageBytes > 8 ? 8 : (65536 / kPageBytes < 4 ? 4 : 65536 / kPageBytes));
+  static constexpr int kStageBytes = kStages * kPageBytes;
+  static_assert(kPageChunks % (kDecodeWarps * 32) == 0, "whole copy rounds");
+  // Where logical chunk c of row r sits in a staged page: ldmatrix reads one chunk of 8
+  // consecutive rows at a time, and the swizzle puts those 8 on 8 different bank groups.
+  static __device__ __forceinline__ int Chunk(int r, int c) {
+    if constexpr (kRowChunks >= 8) {
+      return r * kRowChunks + (c ^ (r & 7));
+    } else {
+      return r * kRowChunks + (c ^ ((r >> 1) & 3));  // two 64-byte rows per 128-byte line
+    }
+  }
+  // First dim of the query pair in k-slots (2t + 8j, +1) of k-step ks: the natural order for
+  // bf16; for fp8, ldmatrix gives lane t the dims 4t..4t+3 of a 16-dim chunk (one k-step).
   static __device__ __forceinline__ int PairDim(int t, int ks, int j) {
     if constexpr (S == KeyStorage::kBf16) {
-      return 8 * (4 * (ks / 2) + t) + 4 * (ks % 2) + 2 * j;
+      return 16 * ks + 8 * j + 2 * t;
     } else {
-      return 16 * (4 * (ks / 4) + t) + 4 * (ks % 4) + 2 * j;
-    }
-  }
-};
-
-template <int D, KeyStorage S>
-struct DecodeTile {
-  using Shape = DecodeShape<D, S>;
-  uint4 raw[2][Shape::kLaneChunks];
-  __device__ __forceinline__ void Load(const char* row_g, int t) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int v = 0; v < Shape::kLaneChunks; ++v) {
-        raw[h][v] = LoadStream16(row_g + h * 8 * Shape::kRowBytes + (4 * v + t) * 16);
-      }
-    }
-  }
-  __device__ __forceinline__ void Unpack(int h, uint32_t (&out)[Shape::kRegs]) const {
-#pragma unroll
-    for (int v = 0; v < Shape::kLaneChunks; ++v) {
-      const uint32_t w[4] = {raw[h][v].x, raw[h][v].y, raw[h][v].z, raw[h][v].w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if constexpr (S == KeyStorage::kBf16) {
-          out[4 * v + k] = w[k];
-        } else {
-          out[8 * v + 2 * k] = Fp8x2ToF16x2(static_cast<uint16_t>(w[k] & 0xffffu));
-          out[8 * v + 2 * k + 1] = Fp8x2ToF16x2(static_cast<uint16_t>(w[k] >> 16));
-        }
-      }
+      return 16 * ks + 4 * t + 2 * j;
     }
   }
 };
@@ -102,37 +105,66 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
     DecodeSelectKernel(const DecodeParams p) {
   using Shape = DecodeShape<D, S>;
   constexpr int kSteps = D / 16;
-  extern __shared__ uint4 smem4[];
-  char* smem = reinterpret_cast<char*>(smem4);
+  constexpr int kStages = Shape::kStages;
+  // 128-byte aligned: with the static variables below the dynamic block can start 16 bytes in,
+  // and a cp.async whose 32-byte sector lands across two shared sectors fetches it twice
+  // (ncu: twice the L2 sectors of the key bytes, and the L2 as the bottleneck).
+  extern __shared__ __align__(128) uint4 decode_smem[];
+  char* smem = reinterpret_cast<char*>(decode_smem);
   __shared__ int s_span;
   __shared__ bool s_last;
-  if (threadIdx.x == 0) s_span = FindSpan(p.spans, p.num_spans, blockIdx.x, false);
-  __syncthreads();
-  const SpanDesc& s = p.spans[s_span];
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
+  if (warp == 0) {
+    const int span = FindSpanWarp(p.spans, p.num_spans, blockIdx.x);
+    if (lane == 0) s_span = span;
+  }
+  __syncthreads();
+  const SpanDesc& s = p.spans[s_span];
+  // The span's fields in registers: the score stores below would otherwise make the compiler
+  // read them again from global memory on every block.
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int rows = s.num_tokens * s.num_heads;
+  const int num_heads = s.num_heads;
+  const int rows = s.num_tokens * num_heads;
   const int64_t p0 = s.start_pos;
   const int64_t pos_max = p0 + s.num_tokens - 1;
+  const int visible_blocks = s.visible_blocks;
+  const int64_t score_offset = s.score_offset;
   const int b_begin = (blockIdx.x - s.unit_begin) * s.chunk_blocks;
-  const int b_end = min(b_begin + s.chunk_blocks, s.visible_blocks);
+  const int b_end = min(b_begin + s.chunk_blocks, visible_blocks);
+  const char* key_pool = static_cast<const char*>(s.keys);
+  const uint16_t* queries = s.queries;
+  // The unit's page ids, read once by all threads together.
+  int32_t* pages = reinterpret_cast<int32_t*>(smem + Shape::kStageBytes + 2 * kDecodeWarps * rows * 4);
+  {
+    const int32_t* block_table = s.block_table;
+    for (int i = threadIdx.x; i < b_end - b_begin; i += blockDim.x) pages[i] = block_table[b_begin + i];
+  }
+  __syncthreads();
 
-  const auto row_g = [&](int b) {
-    return static_cast<const char*>(s.keys) +
-           (int64_t{s.block_table[b]} * kBlockSize + warp * 16 + g) * Shape::kRowBytes;
+  // Stage ring: block b sits in stage (b - b_begin) % kStages. Every thread copies the chunks
+  // threadIdx.x + 256 i of a page, so a warp instruction reads 512 contiguous bytes.
+  const auto issue = [&](int b) {
+    if (b < b_end) {
+      const char* src = key_pool + int64_t{pages[b - b_begin]} * Shape::kPageBytes;
+      char* dst = smem + ((b - b_begin) % kStages) * Shape::kPageBytes;
+#pragma unroll
+      for (int i = threadIdx.x; i < Shape::kPageChunks; i += kDecodeWarps * 32) {
+        CpAsync16(dst + Shape::Chunk(i / Shape::kRowChunks, i % Shape::kRowChunks) * 16, src + i * 16);
+      }
+    }
+    CpAsyncCommit();  // empty groups past the end keep the wait count uniform
   };
-  const auto live = [&](int b) { return int64_t{b} * kBlockSize + warp * 16 <= pos_max; };
-  DecodeTile<D, S> cur, next;
-  if (b_begin < b_end && live(b_begin)) cur.Load(row_g(b_begin), t);
+#pragma unroll
+  for (int i = 0; i + 1 < kStages; ++i) issue(b_begin + i);
 
   uint32_t qf[NT][kSteps][2];
   int64_t col_pos[NT][2];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int qrow = nt * 8 + g;
-    const uint32_t* q = reinterpret_cast<const uint32_t*>(s.queries + int64_t{qrow} * D);
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(queries + int64_t{qrow} * D);
 #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks) {
 #pragma unroll
@@ -145,27 +177,44 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int col = nt * 8 + 2 * t + c;
-      col_pos[nt][c] = col < rows ? p0 + col / s.num_heads : -1;
+      col_pos[nt][c] = col < rows ? p0 + col / num_heads : -1;
     }
   }
 
-  float* part = reinterpret_cast<float*>(smem);  // [chunk_blocks][8 warps][rows]
+  // Per-warp maxima of the last two blocks: [2][8 warps][rows].
+  float* part = reinterpret_cast<float*>(smem + Shape::kStageBytes);
+  // Block bb's scores from its per-warp maxima (after a barrier that follows their writes).
+  const auto flush = [&](int bb) {
+    const float* pp = part + (bb & 1) * kDecodeWarps * rows;
+    for (int col = threadIdx.x; col < rows; col += blockDim.x) {
+      float mx = NaNf();
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) mx = MaxSkipNaN(mx, pp[w * rows + col]);
+      if (int64_t{bb} * kBlockSize <= p0 + col / num_heads) {
+        p.scores[score_offset + int64_t{col} * visible_blocks + bb] = mx == mx ? mx : kEmptyScore;
+      }
+    }
+  };
+  // ldmatrix source rows: lane l reads row 16 warp + 8 ((l >> 3) & 1) + (l & 7) at chunk
+  // (l >> 4) of a chunk pair.
+  const int ld_row = warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+  const int ld_half = lane >> 4;
+
   for (int b = b_begin; b < b_end; ++b) {
-    if (b + 1 < b_end && live(b + 1)) next.Load(row_g(b + 1), t);
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();  // block b staged for all; block b - 1's stage and maxima are done with
+    issue(b + kStages - 1);
+    if (b > b_begin) flush(b - 1);
+    const char* stage = smem + ((b - b_begin) % kStages) * Shape::kPageBytes;
     float m[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) m[nt][0] = m[nt][1] = NaNf();
     const int64_t tok = int64_t{b} * kBlockSize + warp * 16 + g;
-    if (live(b)) {
-      uint32_t ra[Shape::kRegs], rb[Shape::kRegs];
-      cur.Unpack(0, ra);
-      cur.Unpack(1, rb);
+    if (int64_t{b} * kBlockSize + warp * 16 <= pos_max) {
       float acc[NT][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
-        const uint32_t a[4] = {ra[2 * ks], rb[2 * ks], ra[2 * ks + 1], rb[2 * ks + 1]};
+      const auto mma = [&](int ks, const uint32_t(&a)[4]) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           if (nt * 8 < rows) {
@@ -174,6 +223,31 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
             } else {
               MmaF16(acc[nt], a, qf[nt][ks][0], qf[nt][ks][1]);
             }
+          }
+        }
+      };
+      if constexpr (S == KeyStorage::kBf16) {
+        // One ldmatrix.x4 per k-step: chunks 2ks, 2ks + 1 of rows g and g + 8.
+#pragma unroll
+        for (int ks = 0; ks < kSteps; ++ks) {
+          uint32_t a[4];
+          LdMatrixX4(a, stage + Shape::Chunk(ld_row, 2 * ks + ld_half) * 16);
+          mma(ks, a);
+        }
+      } else {
+        // One ldmatrix.x4 per two k-steps: word t of chunks 2kp, 2kp + 1 of rows g and g + 8.
+#pragma unroll
+        for (int kp = 0; kp < kSteps / 2; ++kp) {
+          uint32_t r[4];
+          LdMatrixX4(r, stage + Shape::Chunk(ld_row, 2 * kp + ld_half) * 16);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t row_g = r[2 * h], row_g8 = r[2 * h + 1];  // dims 4t..4t+3
+            const uint32_t a[4] = {Fp8x2ToF16x2(static_cast<uint16_t>(row_g & 0xffffu)),
+                                   Fp8x2ToF16x2(static_cast<uint16_t>(row_g8 & 0xffffu)),
+                                   Fp8x2ToF16x2(static_cast<uint16_t>(row_g >> 16)),
+                                   Fp8x2ToF16x2(static_cast<uint16_t>(row_g8 >> 16))};
+            mma(2 * kp + h, a);
           }
         }
       }
@@ -204,30 +278,20 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
       }
     }
     if (g == 0) {
+      float* pp = part + (b & 1) * kDecodeWarps * rows + warp * rows;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int col = nt * 8 + 2 * t + c;
-          if (col < rows) part[((b - b_begin) * kDecodeWarps + warp) * rows + col] = m[nt][c];
+          if (col < rows) pp[col] = m[nt][c];
         }
       }
     }
-    cur = next;
   }
+  CpAsyncWait<0>();
   __syncthreads();
-  const int n_blocks = b_end - b_begin;
-  for (int idx = threadIdx.x; idx < n_blocks * rows; idx += blockDim.x) {
-    const int bl = idx / rows;
-    const int col = idx - bl * rows;
-    float mx = NaNf();
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) mx = MaxSkipNaN(mx, part[(bl * kDecodeWarps + w) * rows + col]);
-    const int64_t b = b_begin + bl;
-    if (b * kBlockSize <= p0 + col / s.num_heads) {
-      p.scores[s.score_offset + int64_t{col} * s.visible_blocks + b] = mx == mx ? mx : kEmptyScore;
-    }
-  }
+  if (b_end > b_begin) flush(b_end - 1);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {

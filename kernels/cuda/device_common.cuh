@@ -1,5 +1,5 @@
 // Small device helpers shared by the CUDA selectors: tensor-core mma, ldmatrix, cp.async,
-// fp8 -> bf16 conversion, key loads, and the forced-score rule of SPEC.md.
+// fp8 -> bf16 / f16 conversion, and the forced-score rule of SPEC.md.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -48,15 +48,6 @@ __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// Streaming 16-byte load: keys are read once, keep them out of L1.
-__device__ __forceinline__ uint4 LoadStream16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
 }
 
 // Two e4m3 bytes (low byte first) -> two bf16 in one register, exactly (every e4m3 value is a

@@ -161,10 +161,11 @@ cudaError_t DescribeDecodeSelect(const SpanDesc* spans, int num_spans, const Dec
   const int64_t topk_bytes = TopkSharedBytes(plan.max_visible_blocks);
   return INDEXER_DISPATCH_HEAD_DIM(head_dim, D, [&] {
     return INDEXER_DISPATCH_STORAGE(storage, S, [&]() -> cudaError_t {
-      // Shared memory: the per-warp block maxima of a unit, reused for the top-k keys of the
-      // final selection.
-      const int64_t part_bytes = int64_t{plan.max_chunk_blocks} * kDecodeWarps * plan.max_rows * 4;
-      const int64_t smem = std::max<int64_t>(part_bytes, topk_bytes);
+      // Shared memory: the stage ring, the per-warp maxima of two blocks and the unit's page
+      // ids, reused for the top-k keys of the final selection.
+      const int64_t stream_bytes = DecodeShape<D, S>::kStageBytes + int64_t{2} * kDecodeWarps * plan.max_rows * 4 +
+                                   int64_t{plan.max_chunk_blocks} * 4;
+      const int64_t smem = std::max<int64_t>(stream_bytes, topk_bytes);
       // Zeroed first: padding bytes too, so that equal launches have equal argument bytes.
       DecodeParams params;
       std::memset(static_cast<void*>(&params), 0, sizeof(params));

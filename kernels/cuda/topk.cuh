@@ -174,18 +174,44 @@ __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* score
   __syncthreads();  // callers may still be reading the shared memory `keys` reuses
   const int log_n = __ffs(n) - 1;
   const int count = rows << log_n;
-  for (int idx = threadIdx.x; idx < count; idx += blockDim.x) {
-    const int r = idx >> log_n;
-    const int b = idx & (n - 1);
-    const int row = row_begin + r;
-    const int64_t pos = s.start_pos + row / s.num_heads;
-    const int64_t v = pos / kBlockSize + 1;
-    uint64_t key = 0;  // below every real key: padding sorts last
-    if (b < v) {
-      const float raw = __ldcg(scores + s.score_offset + int64_t{row} * s.visible_blocks + b);
-      key = SelectionKey(ForcedScore(raw, b, v, s.init_blocks, s.local_blocks), b);
+  {
+    // The span's fields in registers, and the score loads of a thread issued together: the
+    // shared-memory stores would otherwise order every load (and a re-read of the fields from
+    // global memory) after the previous store, one L2 round trip per key.
+    const int64_t start_pos = s.start_pos;
+    const int num_heads = s.num_heads;
+    const int64_t score_offset = s.score_offset;
+    const int64_t visible = s.visible_blocks;
+    const int init_blocks = s.init_blocks;
+    const int local_blocks = s.local_blocks;
+    constexpr int kBatch = 8;
+    const auto where = [&](int idx, int& b, int64_t& v) {
+      const int row = row_begin + (idx >> log_n);
+      b = idx & (n - 1);
+      v = (start_pos + row / num_heads) / kBlockSize + 1;
+      return score_offset + int64_t{row} * visible + b;
+    };
+    for (int base = threadIdx.x; base < count; base += kBatch * blockDim.x) {
+      float raw[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int idx = base + u * blockDim.x;
+        int b = 0;
+        int64_t v = 0;
+        const int64_t at = idx < count ? where(idx, b, v) : 0;
+        raw[u] = idx < count && b < v ? __ldcg(scores + at) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int idx = base + u * blockDim.x;
+        if (idx >= count) break;
+        int b = 0;
+        int64_t v = 0;
+        (void)where(idx, b, v);
+        // 0 is below every real key: padding sorts last.
+        keys[idx] = b < v ? SelectionKey(ForcedScore(raw[u], b, v, init_blocks, local_blocks), b) : 0;
+      }
     }
-    keys[idx] = key;
   }
   __syncthreads();
   const int topk = s.topk;

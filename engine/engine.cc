@@ -137,12 +137,14 @@ int Engine::PlaceNew(int64_t blocks, std::vector<int64_t>& free,
     free = pool_.FreePagesPerDevice();
     planned.assign(free.size(), 0);
   }
-  int best = 0;
-  for (int d = 1; d < static_cast<int>(free.size()); ++d) {
-    if (free[d] - planned[d] > free[best] - planned[best]) best = d;
+  // A failed device would refuse every call on the sequence: place it elsewhere while we can.
+  int best = -1;
+  for (int d = 0; d < static_cast<int>(free.size()); ++d) {
+    if (!devices_[d].backend->Health().ok()) continue;
+    if (best < 0 || free[d] - planned[d] > free[best] - planned[best]) best = d;
   }
   (void)blocks;
-  return best;
+  return best < 0 ? 0 : best;
 }
 
 absl::Status Engine::ReadPagesAnyDevice(std::span<const int32_t> pages, uint8_t* dst) {
@@ -830,11 +832,20 @@ EngineStats Engine::Stats() const {
     ds.total_pages = pool_.pages_per_device();
     ds.free_pages = free[d];
     ds.queued_selects = devices_[d].batcher->queued_tasks();
+    ds.health = devices_[d].backend->Health();
     s.total_pages += ds.total_pages;
     s.free_pages += ds.free_pages;
     s.queued_selects += ds.queued_selects;
   }
   return s;
+}
+
+absl::Status Engine::Health() const {
+  for (const Device& d : devices_) {
+    absl::Status health = d.backend->Health();
+    if (!health.ok()) return health;
+  }
+  return absl::OkStatus();
 }
 
 TenantUsage Engine::Usage(absl::string_view tenant) const {

@@ -5,12 +5,14 @@
 // in parallel, calls on one sequence are applied one at a time. Every failed request leaves the
 // engine exactly as it found it. Errors are absl::Status values with a message naming the field
 // and the limit: INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, RESOURCE_EXHAUSTED,
-// FAILED_PRECONDITION, DEADLINE_EXCEEDED, CANCELLED, or INTERNAL from the backend.
+// FAILED_PRECONDITION, DEADLINE_EXCEEDED, CANCELLED, or INTERNAL from the backend; UNAVAILABLE
+// from a device that has failed for good (KeyCacheBackend::Health), whatever the call.
 //
 // Devices: an engine drives one or more devices (a KeyCacheBackend and a SelectBatcher each);
 // device d owns page ids [d * capacity_pages, (d + 1) * capacity_pages), so capacity_pages is
 // per device. A sequence is placed on a device when it is created -- the one with the most free
-// pages, ties to the lower index -- and stays there: its pages all lie on that device, forks go
+// pages, ties to the lower index, skipping failed devices while any other is healthy -- and
+// stays there: its pages all lie on that device, forks go
 // to their source's device, and a full device refuses appends (RESOURCE_EXHAUSTED) only to the
 // sequences placed on it. A Batch spanning devices selects on all of them in parallel.
 //
@@ -110,6 +112,9 @@ struct DeviceStats {
   int64_t total_pages = 0;
   int64_t free_pages = 0;
   int64_t queued_selects = 0;
+  // OK, or why the device can no longer serve (its backend's Health()): every call touching a
+  // sequence placed on it fails with this status.
+  absl::Status health;
 };
 
 // Every device together, and per device (in device order).
@@ -178,6 +183,11 @@ class Engine {
   void SetObserver(EngineObserver* observer);
 
   EngineStats Stats() const;
+  // OK while every device can serve calls; otherwise the Health() status of the first device
+  // that cannot (UNAVAILABLE, naming it and its first fatal error). Once not OK it stays so
+  // (a failed device never recovers in-process). Cheap: no device is touched. For health
+  // checks; Stats() has every device's.
+  absl::Status Health() const;
   TenantUsage Usage(absl::string_view tenant) const;
 
   // Writes every sequence of every tenant (lengths, block tables, attention pages and the key

@@ -4,7 +4,9 @@
 // validated arguments for pages it has allocated. A backend may be called from many threads at
 // once; the engine guarantees that concurrent calls never write a page another call reads or
 // writes. Errors (for example a CUDA failure) are returned as INTERNAL statuses; a backend never
-// aborts the process.
+// aborts the process. A backend whose device can no longer be used (a fault that leaves the device
+// unusable, such as a sticky CUDA error) says so in Health() and fails every later call at once
+// with that status (UNAVAILABLE: engine/device_failure.h) without touching the device again.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +50,12 @@ class KeyCacheBackend {
   virtual std::string name() const = 0;
   // Human-readable device description for ServerInfo and logs.
   virtual std::string device() const = 0;
+
+  // OK while the device can serve calls. Otherwise the status every call now fails with
+  // (UNAVAILABLE, naming the device and the first fatal error); once not OK it stays so for the
+  // backend's life. Cheap (no device access) and callable from any thread at any time; the
+  // engine reports it per device (Engine::Health, DeviceStats::health). The default: always OK.
+  virtual absl::Status Health() const { return absl::OkStatus(); }
 
   // Stores keys, converting bf16 to the cache's storage type.
   virtual absl::Status WriteKeys(const KeyWrite& write) = 0;

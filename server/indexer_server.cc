@@ -71,7 +71,11 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const Server
   absl::StatusOr<std::vector<engine::DeviceBackend>> backends =
       engine::MakeBackends(options.engine, choice);
   if (!backends.ok()) return backends.status();
+  return Start(options, *std::move(backends));
+}
 
+absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(
+    const ServerOptions& options, std::vector<engine::DeviceBackend> backends) {
   std::unique_ptr<IndexerServer> s(new IndexerServer());
   s->access_ = std::make_unique<AccessControl>();
   if (!options.token_file.empty()) {
@@ -98,7 +102,7 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const Server
   engine::PageQuotas quotas;
   quotas.default_pages = options.tenant_quota_pages;
   for (const auto& [tenant, pages] : s->access_->quotas()) quotas.per_tenant[tenant] = pages;
-  s->engine_ = std::make_unique<engine::Engine>(config, std::move(*backends), std::move(quotas));
+  s->engine_ = std::make_unique<engine::Engine>(config, std::move(backends), std::move(quotas));
   if (!options.restore.empty()) {
     const absl::Time start = absl::Now();
     engine::SnapshotStats stats;
@@ -147,6 +151,17 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const Server
   }
   s->server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   s->server_->GetHealthCheckService()->SetServingStatus(true);
+  // A failed device cannot be repaired in-process: probes and load balancers must send work
+  // elsewhere and restart the server.
+  grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService();
+  ServiceMetrics* metrics = s->metrics_.get();
+  s->device_health_ = std::make_unique<DeviceHealthMonitor>(
+      s->engine_.get(), [metrics](int d) { return metrics->DeviceLabel(d); },
+      [health](const absl::Status&) {
+        health->SetServingStatus(kServiceName, false);
+        health->SetServingStatus(false);
+      },
+      kDeviceHealthPeriod);
   if (options.idle_ttl > absl::ZeroDuration()) s->StartReaper(options.idle_ttl);
   return s;
 }
@@ -183,6 +198,7 @@ void IndexerServer::Shutdown(absl::Duration drain, absl::Duration not_serving_gr
   if (stopped_ || server_ == nullptr) return;
   stopped_ = true;
   StopReaper();
+  device_health_.reset();
   server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
   server_->GetHealthCheckService()->SetServingStatus(false);
   // Health checks answer NOT_SERVING for a moment before the listener closes, so that load

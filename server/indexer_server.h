@@ -2,6 +2,10 @@
 // reflection), with TLS, token authentication and a restored snapshot when its options ask for
 // them. main() runs one; end-to-end tests run one in-process on a loopback port.
 //
+// Health: SERVING once started; NOT_SERVING from Shutdown() on, and for good once a device has
+// failed (KeyCacheBackend::Health: a sticky CUDA error), seen within kDeviceHealthPeriod by a
+// DeviceHealthMonitor, which also logs the device and its error.
+//
 // Start() returns once the server accepts calls. Shutdown() may be called once, from any thread.
 #pragma once
 
@@ -17,6 +21,7 @@
 #include "engine/engine.h"
 #include "server/access_control.h"
 #include "server/admin_service.h"
+#include "server/device_health_monitor.h"
 #include "server/indexer_service.h"
 #include "server/metrics.h"
 #include "server/request_executor.h"
@@ -32,6 +37,14 @@ class IndexerServer {
   // token file, TLS files or snapshot folder (naming the flag), of the restore (nothing is
   // served then), or UNAVAILABLE when the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<IndexerServer>> Start(const ServerOptions& options);
+  // The same on backends the caller built, one per device with the slots MakeBackends would
+  // give them (options.device, devices and cpu_devices are then ignored). For tests that
+  // inject faulty backends.
+  static absl::StatusOr<std::unique_ptr<IndexerServer>> Start(
+      const ServerOptions& options, std::vector<engine::DeviceBackend> backends);
+
+  // How often the server looks for failed devices.
+  static constexpr absl::Duration kDeviceHealthPeriod = absl::Milliseconds(100);
 
   ~IndexerServer();
 
@@ -65,6 +78,8 @@ class IndexerServer {
   std::mutex reaper_mu_;
   std::condition_variable reaper_cv_;
   bool reaper_stop_ = false;
+  // Last: stopped first (it sets server_'s health status).
+  std::unique_ptr<DeviceHealthMonitor> device_health_;
 };
 
 // The version string reported by ServerInfo and --version.

@@ -43,7 +43,7 @@ prometheus::ClientMetric Value(double v) {
 
 }  // namespace
 
-// Pages and sequences, read from the engine whenever the registry is collected.
+// Pages, sequences and device health, read from the engine whenever the registry is collected.
 class ServiceMetrics::EngineGauges final : public prometheus::Collectable {
  public:
   EngineGauges(const engine::Engine* engine, std::string device)
@@ -82,6 +82,11 @@ class ServiceMetrics::EngineGauges final : public prometheus::Collectable {
         per_device("indexer_batch_queued",
                    "Span selections waiting in each device's select queue for a launch.",
                    [](const engine::DeviceStats& d) { return d.queued_selects; }),
+        per_device("indexer_device_failed",
+                   "1 when the device has failed for good (a sticky CUDA error such as an illegal "
+                   "address or an uncorrectable ECC error): calls on its sequences answer "
+                   "UNAVAILABLE and health is NOT_SERVING until the server is restarted; else 0.",
+                   [](const engine::DeviceStats& d) { return d.health.ok() ? 0 : 1; }),
         std::move(live),
     };
   }
@@ -156,6 +161,8 @@ ServiceMetrics::ServiceMetrics(const engine::Engine* engine, std::string device)
       dropped_shutdown_(batch_dropped_.Add({{"reason", "shutdown"}})) {}
 
 ServiceMetrics::~ServiceMetrics() = default;
+
+std::string ServiceMetrics::DeviceLabel(int device) const { return gauges_->Label(device); }
 
 absl::Status ServiceMetrics::Serve(const std::string& bind_address) {
   try {

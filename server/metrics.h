@@ -2,7 +2,7 @@
 // --metrics_listen (prometheus-cpp) and returned by the GetStats RPC from the same registry.
 //
 // Thread-safe: every method may be called from any thread. Recording is lock-free counters and
-// histograms; gauges (pages, sequences) are read from the engine when collected.
+// histograms; gauges (pages, sequences, failed devices) are read from the engine when collected.
 #pragma once
 
 #include <grpcpp/support/status.h>
@@ -55,6 +55,10 @@ class ServiceMetrics final : public engine::EngineObserver {
 
   // Every metric family, for GetStats.
   void Fill(v1::GetStatsResponse* out) const;
+
+  // The `device` label of device d's per-device series ("cpu", "cuda", or "cuda:1" when there
+  // are several), for log lines that should name a device as the metrics do.
+  std::string DeviceLabel(int device) const;
 
  private:
   class EngineGauges;

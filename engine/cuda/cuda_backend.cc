@@ -14,8 +14,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "engine/cuda/cuda_errors.h"
 #include "engine/cuda/cuda_resources.h"
 #include "engine/cuda/select_graph.h"
+#include "engine/device_failure.h"
 #include "engine/status_macros.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/select_batch.h"
@@ -52,10 +54,12 @@ struct Lane {
     return status;
   }
 
-  // Waits for the stream; on failure also clears state a broken launch may have left behind.
+  // Waits for the stream; on failure also clears state a broken launch may have left behind
+  // (not after a sticky error: the device is lost, and the backend will not touch it again).
   absl::Status Finish(const char* what) {
-    const absl::Status status = CudaStatus(cudaStreamSynchronize(stream.get()), what);
-    if (!status.ok() && d_counters.get() != nullptr) {
+    const cudaError_t err = cudaStreamSynchronize(stream.get());
+    const absl::Status status = CudaStatus(err, what);
+    if (!status.ok() && !IsStickyCudaError(err) && d_counters.get() != nullptr) {
       // A failed decode launch can leave span counters set; later launches need them at zero.
       (void)cudaGetLastError();
       if (cudaMemsetAsync(d_counters.get(), 0, d_counters.bytes(), stream.get()) == cudaSuccess) {
@@ -101,13 +105,28 @@ class CudaBackend final : public KeyCacheBackend {
   absl::Status Init();
   std::string name() const override { return "cuda"; }
   std::string device() const override { return device_name_; }
-  absl::Status WriteKeys(const KeyWrite& write) override;
-  absl::Status WriteKeysBatch(std::span<const KeyWrite> writes) override;
-  absl::Status CopyPage(int32_t src, int32_t dst) override;
-  absl::Status ReadPages(std::span<const int32_t> pages, uint8_t* dst) override;
-  absl::Status WritePages(std::span<const int32_t> pages, const uint8_t* src) override;
+  absl::Status Health() const override { return failure_.Check(); }
+  // Each call runs through Guarded: it fails fast once the device has failed, and a sticky CUDA
+  // error in it marks the device failed.
+  absl::Status WriteKeys(const KeyWrite& write) override {
+    return Guarded([&] { return WriteKeysOnDevice(write); });
+  }
+  absl::Status WriteKeysBatch(std::span<const KeyWrite> writes) override {
+    return Guarded([&] { return WriteKeysBatchOnDevice(writes); });
+  }
+  absl::Status CopyPage(int32_t src, int32_t dst) override {
+    return Guarded([&] { return CopyPageOnDevice(src, dst); });
+  }
+  absl::Status ReadPages(std::span<const int32_t> pages, uint8_t* dst) override {
+    return Guarded([&] { return TransferPages(pages, dst); });
+  }
+  absl::Status WritePages(std::span<const int32_t> pages, const uint8_t* src) override {
+    return Guarded([&] { return WritePagesOnDevice(pages, src); });
+  }
   absl::Status Select(std::span<const SelectTask> tasks,
-                      const kernels::PageTableParams& page_table) override;
+                      const kernels::PageTableParams& page_table) override {
+    return Guarded([&] { return SelectOnDevice(tasks, page_table); });
+  }
 
   CudaBackendCounters counters() const;
 
@@ -134,8 +153,30 @@ class CudaBackend final : public KeyCacheBackend {
 
   Lane* AcquireLane();
   void ReleaseLane(Lane* lane);
-  // Callers' threads vary: every entry makes this backend's device current first.
-  absl::Status EnterDevice() const { return CudaStatus(cudaSetDevice(slot_.ordinal), "cudaSetDevice"); }
+  // Runs one call's `body`: refuses at once (the latched UNAVAILABLE status) once the device has
+  // failed; when the body fails with a sticky CUDA error, latches failure_ and returns its status.
+  template <typename Body>
+  absl::Status Guarded(Body body) {
+    INDEXER_RETURN_IF_ERROR(failure_.Check());
+    absl::Status status = body();
+    if (!status.ok() && IsStickyCudaError(CudaErrorOf(status))) {
+      status = failure_.Fail(absl::StrFormat("CUDA device %d (%s)", slot_.ordinal, gpu_name_), status);
+    }
+    return status;
+  }
+  // Callers' threads vary: every call makes this backend's device current before its first CUDA
+  // call, once it holds its lane; a call that waited for a lane while the device failed stops
+  // here without touching it.
+  absl::Status EnterDevice() const {
+    INDEXER_RETURN_IF_ERROR(failure_.Check());
+    return CudaStatus(cudaSetDevice(slot_.ordinal), "cudaSetDevice");
+  }
+  absl::Status WriteKeysOnDevice(const KeyWrite& write);
+  absl::Status WriteKeysBatchOnDevice(std::span<const KeyWrite> writes);
+  absl::Status CopyPageOnDevice(int32_t src, int32_t dst);
+  absl::Status WritePagesOnDevice(std::span<const int32_t> pages, const uint8_t* src);
+  absl::Status SelectOnDevice(std::span<const SelectTask> tasks,
+                              const kernels::PageTableParams& page_table);
   // Writes the `n` global page ids at `ids` to `dst` as this pool's page indices; INTERNAL
   // (naming the id) at the first one outside the slot.
   absl::Status ToLocal(const int32_t* ids, int64_t n, int32_t* dst, const char* what) const;
@@ -157,7 +198,9 @@ class CudaBackend final : public KeyCacheBackend {
   const int64_t layer_bytes_;
   bool entered_device_ = false;  // Init made the device current (the slot is usable)
   int num_sms_ = 0;
+  std::string gpu_name_;     // the product name (cudaDeviceProp::name)
   std::string device_name_;
+  DeviceFailure failure_;    // set by the first sticky CUDA error (Guarded)
   DeviceBuffer pool_;  // allocated in Init, then only read and written through lanes' streams
   std::unique_ptr<std::atomic<float>[]> key_max_abs_;  // [layers]
 
@@ -189,6 +232,7 @@ absl::Status CudaBackend::Init() {
   INDEXER_RETURN_IF_ERROR(
       CudaStatus(cudaGetDeviceProperties(&prop, slot_.ordinal), "cudaGetDeviceProperties"));
   num_sms_ = prop.multiProcessorCount;
+  gpu_name_ = prop.name;
   const int64_t topk_smem = kernels::cuda::TopkSharedBytes(
       static_cast<int32_t>(std::min<int64_t>(config_.MaxBlocksPerSequence(), 1 << 30)));
   const int64_t prefill_smem = kernels::cuda::PrefillSharedBytes(config_.head_dim, config_.key_storage);
@@ -287,9 +331,9 @@ CudaBackendCounters CudaBackend::counters() const {
   return c;
 }
 
-absl::Status CudaBackend::WriteKeys(const KeyWrite& w) {
-  INDEXER_RETURN_IF_ERROR(EnterDevice());
+absl::Status CudaBackend::WriteKeysOnDevice(const KeyWrite& w) {
   LaneLease lease(this);
+  INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   int64_t end = 0;
   for (int l = 0; l < w.layer_count; ++l) end = std::max(end, w.layer_start[l] + w.num_tokens);
@@ -334,11 +378,11 @@ absl::Status CudaBackend::WriteKeys(const KeyWrite& w) {
 }
 
 // The writes of one wave in one round trip: one staging copy, one launch, one wait.
-absl::Status CudaBackend::WriteKeysBatch(std::span<const KeyWrite> writes) {
+absl::Status CudaBackend::WriteKeysBatchOnDevice(std::span<const KeyWrite> writes) {
   if (writes.empty()) return absl::OkStatus();
-  if (writes.size() == 1) return WriteKeys(writes[0]);
-  INDEXER_RETURN_IF_ERROR(EnterDevice());
+  if (writes.size() == 1) return WriteKeysOnDevice(writes[0]);
   LaneLease lease(this);
+  INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   const size_t n = writes.size();
   // [AppendArgs x n][per write: keys | local block table | layer starts]
@@ -410,12 +454,12 @@ absl::Status CudaBackend::WriteKeysBatch(std::span<const KeyWrite> writes) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::CopyPage(int32_t src, int32_t dst) {
+absl::Status CudaBackend::CopyPageOnDevice(int32_t src, int32_t dst) {
   int64_t s = 0, t = 0;
   INDEXER_RETURN_IF_ERROR(ToLocal(src, &s, "page copy"));
   INDEXER_RETURN_IF_ERROR(ToLocal(dst, &t, "page copy"));
-  INDEXER_RETURN_IF_ERROR(EnterDevice());
   LaneLease lease(this);
+  INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   char* base = pool_.get<char>();
   absl::Status status;
@@ -439,8 +483,8 @@ absl::Status CudaBackend::TransferPages(std::span<const int32_t> pages, HostByte
   if (pages.empty()) return absl::OkStatus();
   std::vector<int32_t> local(pages.size());
   INDEXER_RETURN_IF_ERROR(ToLocal(pages.data(), static_cast<int64_t>(pages.size()), local.data(), what));
-  INDEXER_RETURN_IF_ERROR(EnterDevice());
   LaneLease lease(this);
+  INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   const int64_t bytes_per_page = config_.layers * page_bytes_;
   const int64_t chunk = std::max<int64_t>(1, kPageStagingBytes / bytes_per_page);
@@ -472,11 +516,7 @@ absl::Status CudaBackend::TransferPages(std::span<const int32_t> pages, HostByte
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::ReadPages(std::span<const int32_t> pages, uint8_t* dst) {
-  return TransferPages(pages, dst);
-}
-
-absl::Status CudaBackend::WritePages(std::span<const int32_t> pages, const uint8_t* src) {
+absl::Status CudaBackend::WritePagesOnDevice(std::span<const int32_t> pages, const uint8_t* src) {
   INDEXER_RETURN_IF_ERROR(TransferPages(pages, src));
   // Selections pick their path from the largest key written (see KeyMax).
   const int64_t elems = page_bytes_ / kernels::KeyStorageBytes(config_.key_storage);
@@ -497,11 +537,11 @@ absl::Status CudaBackend::WritePages(std::span<const int32_t> pages, const uint8
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::Select(std::span<const SelectTask> tasks,
-                                 const kernels::PageTableParams& pt) {
+absl::Status CudaBackend::SelectOnDevice(std::span<const SelectTask> tasks,
+                                         const kernels::PageTableParams& pt) {
   if (tasks.empty()) return absl::OkStatus();
-  INDEXER_RETURN_IF_ERROR(EnterDevice());
   LaneLease lease(this);
+  INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   const int d = config_.head_dim;
   const size_t m = tasks.size();

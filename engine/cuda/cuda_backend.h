@@ -6,8 +6,9 @@
 // Thread-safe and concurrent: every call takes one of the backend's lanes (each with its own
 // stream, pinned staging, device buffers, score scratch, counters and graph cache), waiting
 // while all are busy, so that concurrent selections overlap one's copies with another's
-// kernels. Every call first makes the backend's device current on the calling thread (it does
-// not restore the previous device: callers mixing devices set theirs before each CUDA call),
+// kernels. Every call makes the backend's device current on the calling thread once it holds
+// its lane (it does not restore the previous device: callers mixing devices set theirs before
+// each CUDA call),
 // and returns only once its work on the device is
 // complete, so what one call wrote is visible to any later call, whatever lane it takes.
 //
@@ -19,6 +20,12 @@
 // A selection step (input copy, selector kernels, result copy) runs as one CUDA graph launch
 // when graphs are on (select_graph.h), else as separate enqueues; answers are identical.
 // CUDA failures come back as INTERNAL statuses carrying CUDA's message; nothing aborts.
+//
+// A sticky CUDA error (IsStickyCudaError, engine/cuda/cuda_errors.h: a faulting kernel, an
+// uncorrectable ECC error, ...) poisons the device's context for the rest of the process. The
+// call that meets one marks the backend failed (DeviceFailure) and returns UNAVAILABLE, naming
+// the device and carrying CUDA's message; from then on Health() returns that status and every
+// call returns it at once without touching the GPU. Only a restart makes the device usable.
 #pragma once
 
 #include <cstdint>

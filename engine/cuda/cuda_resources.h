@@ -1,5 +1,5 @@
-// RAII owners of CUDA resources (device memory, pinned host memory, streams, graphs) and the one
-// translation of cudaError_t into absl::Status (INTERNAL, carrying CUDA's message).
+// RAII owners of CUDA resources (device memory, pinned host memory, streams, graphs). Their
+// errors come back through CudaStatus (engine/cuda/cuda_errors.h).
 // Not thread-safe; each owner belongs to one lane of a CudaBackend (or to the backend itself),
 // used by one call at a time. Owners free their resource on whatever device is current: the
 // backend makes its own device current before it destroys them.
@@ -11,15 +11,9 @@
 #include <utility>
 
 #include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
+#include "engine/cuda/cuda_errors.h"
 
 namespace indexer::engine {
-
-inline absl::Status CudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("CUDA error in ", what, ": ", cudaGetErrorName(err), ": ",
-                                          cudaGetErrorString(err)));
-}
 
 // Owns a cudaMalloc'ed (never managed) allocation.
 class DeviceBuffer {

@@ -9,13 +9,36 @@
 
 namespace indexer::kernels::cuda {
 
+// The lower index of compare-exchange pair i at distance j (a power of two) in a bitonic pass:
+// 2j (i / j) + i % j, without the division.
+__device__ __forceinline__ int PairLow(int i, int j) { return ((i & ~(j - 1)) << 1) | (i & (j - 1)); }
+
+// Sorts one key per lane across the warp in registers, descending by lane (lane 0 holds the
+// largest). Called by all 32 lanes.
+__device__ __forceinline__ uint64_t WarpSortLanesDesc(uint64_t x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 2; k <= 32; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const uint64_t other = __shfl_xor_sync(0xffffffffu, x, j);
+      // Runs of k alternate direction so that pairs of runs form bitonic sequences; the last
+      // stage (k == 32) sorts the whole warp descending.
+      const bool lower = (lane & j) == 0;
+      const bool descending = (lane & k) == 0 || k == 32;
+      x = lower == descending ? max(x, other) : min(x, other);
+    }
+  }
+  return x;
+}
+
 // Sorts `count` keys in shared memory, as independent runs of `run` (a power of two) keys each,
 // in descending order. Called by every thread of the CTA.
 __device__ __forceinline__ void BitonicSortRunsDesc(uint64_t* keys, int count, int run) {
   for (int k = 2; k <= run; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
       for (int i = threadIdx.x; i < count / 2; i += blockDim.x) {
-        const int lo = 2 * j * (i / j) + (i % j);
+        const int lo = PairLow(i, j);
         const int hi = lo + j;
         const uint64_t a = keys[lo];
         const uint64_t b = keys[hi];
@@ -57,7 +80,7 @@ __device__ __forceinline__ void TopKSegmentsDesc(uint64_t* keys, int count, int 
       for (int i = threadIdx.x; i < pairs * (kk >> 1); i += blockDim.x) {
         const int p = i >> (log_kk - 1);
         const int q = i & ((kk >> 1) - 1);
-        const int lo = 2 * h * (q / h) + (q % h);
+        const int lo = PairLow(q, h);
         uint64_t* a = keys + p * 2 * stride;
         const uint64_t x = a[lo];
         const uint64_t y = a[lo + h];
@@ -114,7 +137,7 @@ __device__ __forceinline__ void WarpSortDesc(uint64_t* keys, int n) {
   for (int k = 2; k <= n; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
       for (int i = lane; i < n / 2; i += 32) {
-        const int lo = 2 * j * (i / j) + (i % j);
+        const int lo = PairLow(i, j);
         const uint64_t a = keys[lo];
         const uint64_t b = keys[lo + j];
         const bool descending = k == n || (lo & k) == 0;
@@ -137,16 +160,7 @@ __device__ __forceinline__ bool WarpTopK(const uint64_t* row, int n, int kk, uin
   const int lane = threadIdx.x & 31;
   uint64_t mx = 0;
   for (int i = lane; i < n; i += 32) mx = max(mx, row[i]);
-  // Bitonic sort of the 32 maxima across lanes, descending by lane.
-  for (int k = 2; k <= 32; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      const uint64_t other = __shfl_xor_sync(0xffffffffu, mx, j);
-      const bool lower = (lane & j) == 0;
-      const bool descending = (lane & k) == 0 || k == 32;
-      const bool keep_max = lower == descending;
-      mx = keep_max ? max(mx, other) : min(mx, other);
-    }
-  }
+  mx = WarpSortLanesDesc(mx);
   const uint64_t threshold = __shfl_sync(0xffffffffu, mx, kk - 1);
   int total = 0;
   for (int base = 0; base < n; base += 32) {
@@ -158,6 +172,15 @@ __device__ __forceinline__ bool WarpTopK(const uint64_t* row, int n, int kk, uin
     total += __popc(mask);
   }
   if (total > kWarpCandidates) return false;
+  __syncwarp();
+  if (total <= 32) {
+    // One candidate per lane: sorted in registers (the shared-memory sort below costs a
+    // few microseconds of dependent passes).
+    const uint64_t x = WarpSortLanesDesc(lane < total ? out[lane] : 0);
+    out[lane] = x;
+    __syncwarp();
+    return true;
+  }
   const int padded = max(NextPow2(total), 2);
   for (int i = total + lane; i < padded; i += 32) out[i] = 0;
   __syncwarp();
@@ -175,16 +198,16 @@ __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* score
   const int log_n = __ffs(n) - 1;
   const int count = rows << log_n;
   {
-    // The span's fields in registers, and the score loads of a thread issued together: the
-    // shared-memory stores would otherwise order every load (and a re-read of the fields from
-    // global memory) after the previous store, one L2 round trip per key.
+    // The span's fields in registers, and the score loads of a thread issued together, sixteen
+    // at a time: one at a time (the H200 timeline showed it) they cost an L2 round trip per key,
+    // 7.7 µs for four rows of 1024 blocks.
     const int64_t start_pos = s.start_pos;
     const int num_heads = s.num_heads;
     const int64_t score_offset = s.score_offset;
     const int64_t visible = s.visible_blocks;
     const int init_blocks = s.init_blocks;
     const int local_blocks = s.local_blocks;
-    constexpr int kBatch = 8;
+    constexpr int kBatch = 16;
     const auto where = [&](int idx, int& b, int64_t& v) {
       const int row = row_begin + (idx >> log_n);
       b = idx & (n - 1);
@@ -195,11 +218,13 @@ __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* score
       float raw[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
+        // Branch-free, from a valid address either way (the span's first score), so that the
+        // loads are in flight together.
         const int idx = base + u * blockDim.x;
         int b = 0;
         int64_t v = 0;
-        const int64_t at = idx < count ? where(idx, b, v) : 0;
-        raw[u] = idx < count && b < v ? __ldcg(scores + at) : 0.0f;
+        const int64_t at = where(min(idx, count - 1), b, v);
+        raw[u] = __ldcg(scores + (idx < count && b < v ? at : score_offset));
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
@@ -229,7 +254,13 @@ __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* score
     const int64_t pos = s.start_pos + row / s.num_heads;
     const int64_t v = pos / kBlockSize + 1;
     const uint64_t* sorted = nullptr;
-    if (n <= 64 || (n <= kWarpCandidates && kk > 32)) {
+    if (n <= 32) {
+      // The whole row fits a warp: sort it in registers and write the ids directly.
+      const uint64_t x = WarpSortLanesDesc(lane < n ? keys[(r << log_n) + lane] : 0);
+      for (int j = lane; j < topk; j += 32) {
+        s.block_ids[int64_t{row} * topk + j] = j < v && j < kk ? SelectionKeyBlock(x) : -1;
+      }
+    } else if (n <= 64 || (n <= kWarpCandidates && kk > 32)) {
       // Short rows: sort a copy of the whole row within the warp.
       for (int i = lane; i < max(n, 2); i += 32) candidates[i] = i < n ? keys[(r << log_n) + i] : 0;
       __syncwarp();

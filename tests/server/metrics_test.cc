@@ -1,11 +1,7 @@
 // Metrics (the Prometheus endpoint and GetStats, which read one registry) and the idle-sequence
 // TTL, against an in-process server.
-#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <map>
 #include <string>
@@ -20,41 +16,6 @@ namespace indexer::testing {
 namespace {
 
 using ::testing::HasSubstr;
-
-// GET http://127.0.0.1:port/metrics, plain sockets: the response body, or "" on failure.
-std::string Scrape(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
-      char buf[4096];
-      for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) out.append(buf, n);
-    }
-  }
-  close(fd);
-  const size_t body = out.find("\r\n\r\n");
-  return body == std::string::npos ? "" : out.substr(body + 4);
-}
-
-// Counter or gauge value of `family` with exactly these labels in a GetStats answer (-1: none).
-double StatValue(const v1::GetStatsResponse& stats, const std::string& family,
-                 const std::map<std::string, std::string>& labels) {
-  for (const auto& f : stats.families()) {
-    if (f.name() != family) continue;
-    for (const auto& m : f.metrics()) {
-      if (std::map<std::string, std::string>(m.labels().begin(), m.labels().end()) == labels) {
-        return f.type() == "histogram" ? static_cast<double>(m.count()) : m.value();
-      }
-    }
-  }
-  return -1;
-}
 
 class MetricsTest : public ServerTest {
  protected:
@@ -100,7 +61,7 @@ TEST_F(MetricsTest, GetStatsAndTheEndpointCountEveryCall) {
 
   // The Prometheus endpoint serves the same registry.
   ASSERT_GT(server_->metrics_port(), 0);
-  const std::string text = Scrape(server_->metrics_port());
+  const std::string text = ScrapeMetrics(server_->metrics_port());
   EXPECT_THAT(text, HasSubstr("indexer_requests_total{code=\"OK\",rpc=\"SelectBlocks\"} 2"));
   EXPECT_THAT(text, HasSubstr("indexer_requests_total{code=\"NOT_FOUND\",rpc=\"GetSequence\"} 1"));
   EXPECT_THAT(text, HasSubstr("indexer_live_sequences 3"));

@@ -1,5 +1,10 @@
 #include "tests/server/server_fixture.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <numeric>
 
@@ -129,7 +134,9 @@ void ExpectSameSelection(const Selection& got, const Selection& want, const std:
 
 void ServerTest::Restart() {
   Stop();
-  absl::StatusOr<std::unique_ptr<server::IndexerServer>> server = server::IndexerServer::Start(options_);
+  absl::StatusOr<std::unique_ptr<server::IndexerServer>> server =
+      make_backends_ ? server::IndexerServer::Start(options_, make_backends_())
+                     : server::IndexerServer::Start(options_);
   ASSERT_TRUE(server.ok()) << server.status();
   server_ = std::move(*server);
   absl::StatusOr<std::unique_ptr<IndexerClient>> client =
@@ -181,6 +188,39 @@ int64_t ServerTest::FreePages() {
   absl::StatusOr<v1::ServerInfoResponse> info = client_->ServerInfo();
   EXPECT_TRUE(info.ok()) << info.status();
   return info.ok() ? static_cast<int64_t>(info->free_pages()) : -1;
+}
+
+std::string ScrapeMetrics(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[4096];
+      for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) out.append(buf, n);
+    }
+  }
+  close(fd);
+  const size_t body = out.find("\r\n\r\n");
+  return body == std::string::npos ? "" : out.substr(body + 4);
+}
+
+double StatValue(const v1::GetStatsResponse& stats, const std::string& family,
+                 const std::map<std::string, std::string>& labels) {
+  for (const auto& f : stats.families()) {
+    if (f.name() != family) continue;
+    for (const auto& m : f.metrics()) {
+      if (std::map<std::string, std::string>(m.labels().begin(), m.labels().end()) == labels) {
+        return f.type() == "histogram" ? static_cast<double>(m.count()) : m.value();
+      }
+    }
+  }
+  return -1;
 }
 
 }  // namespace indexer::testing

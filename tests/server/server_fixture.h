@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -60,6 +61,14 @@ class HostSequence {
 // Compares a server answer with the reference: shape, start position and every id / page entry.
 void ExpectSameSelection(const Selection& got, const Selection& want, const std::string& where);
 
+// GET http://127.0.0.1:port/metrics, plain sockets: the response body, or "" on failure.
+std::string ScrapeMetrics(int port);
+
+// Counter or gauge value (a histogram's count) of `family` with exactly these labels in a
+// GetStats answer; -1 when there is no such series.
+double StatValue(const v1::GetStatsResponse& stats, const std::string& family,
+                 const std::map<std::string, std::string>& labels);
+
 // A test that runs its own server. Tests may change options_ and call Restart().
 class ServerTest : public ::testing::Test {
  protected:
@@ -98,6 +107,9 @@ class ServerTest : public ::testing::Test {
   std::unique_ptr<IndexerClient> client_;
   std::map<std::string, HostSequence> hosts_;
   std::mt19937 rng_{12345};
+  // When set, Restart starts the server on the backends this returns instead of building them
+  // from options_ (fault injection).
+  std::function<std::vector<engine::DeviceBackend>()> make_backends_;
 };
 
 }  // namespace indexer::testing

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/bench/check_cuda.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/numeric.h"
 
@@ -28,16 +29,6 @@ namespace kc = indexer::kernels::cuda;
 
 constexpr int kD = 128;
 constexpr int kTopk = 16;
-
-#define CHECK_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    const cudaError_t err_ = (expr);                                                       \
-    if (err_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(err_), __FILE__, \
-                   __LINE__, cudaGetErrorString(err_));                                    \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 // Pseudo-random bf16 values (roughly uniform in [-2, 2)), stored as bf16 or fp8.
 __global__ void FillRandom(uint8_t* out, int64_t n, uint64_t seed, bool fp8) {

@@ -25,15 +25,7 @@
 #include <string>
 #include <vector>
 
-#define CHECK_CUDA(expr)                                                                    \
-  do {                                                                                      \
-    const cudaError_t err_ = (expr);                                                        \
-    if (err_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(err_), __FILE__, \
-                   __LINE__, cudaGetErrorString(err_));                                     \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
+#include "kernels/bench/check_cuda.h"
 
 namespace {
 

@@ -14,10 +14,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <fstream>
 #include <regex>
 #include <set>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -25,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "server/indexer_server.h"
 #include "server/server_options.h"
+#include "tests/server/child_process.h"
 
 extern char** environ;
 
@@ -35,12 +34,7 @@ using google::protobuf::Struct;
 using google::protobuf::Value;
 using ::testing::HasSubstr;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using indexer::testing::ReadFile;
 
 struct BenchRun {
   int code = -1;

@@ -3,29 +3,25 @@
 // lengths of what the call appended), indexer-bench runs against it (reporting no server
 // figures), and SIGTERM stops it with exit 0. INDEXER_ECHO_SERVER_BINARY and
 // INDEXER_BENCH_BINARY come from tests/bench/CMakeLists.txt.
-#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
+#include <memory>
+#include <optional>
 #include <regex>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/cpp/indexer_client.h"
-
-extern char** environ;
+#include "tests/server/child_process.h"
 
 namespace indexer::bench {
 namespace {
@@ -33,42 +29,9 @@ namespace {
 namespace v1 = indexer::v1;
 using ::testing::HasSubstr;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// Starts `argv` with stdout and stderr going to `log`. Returns the pid, or -1.
-pid_t Spawn(std::vector<std::string> argv, const std::string& log) {
-  std::vector<char*> ptrs;
-  for (std::string& a : argv) ptrs.push_back(a.data());
-  ptrs.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, 1, 2);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, ptrs.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  return rc == 0 ? pid : -1;
-}
-
-// Waits for `pid` up to `timeout`; its exit code, or -1 (killed then) when it ran past it.
-int WaitExit(pid_t pid, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  int status = 0;
-  while (waitpid(pid, &status, WNOHANG) == 0) {
-    if (absl::Now() > deadline) {
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-      return -1;
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-}
+using indexer::testing::Child;
+using indexer::testing::ReadFile;
+using indexer::testing::RunToEnd;
 
 std::vector<int32_t> Ints(const std::string& bytes) {
   std::vector<int32_t> v(bytes.size() / 4);
@@ -84,19 +47,18 @@ class EchoServerTest : public ::testing::Test {
   void SetUp() override {
     const char* binary = std::getenv("INDEXER_ECHO_SERVER_BINARY");
     ASSERT_NE(binary, nullptr) << "INDEXER_ECHO_SERVER_BINARY is not set (ctest sets it)";
-    log_ = ::testing::TempDir() + "/echo-" + std::to_string(getpid()) + ".log";
-    pid_ = Spawn({binary, "--listen=127.0.0.1:0", absl::StrCat("--head_dim=", kHeadDim),
-                  absl::StrCat("--layers=", kLayers), "--topk=8"},
-                 log_);
-    ASSERT_GT(pid_, 0);
+    server_ = std::make_unique<Child>(std::vector<std::string>{
+        binary, "--listen=127.0.0.1:0", absl::StrCat("--head_dim=", kHeadDim),
+        absl::StrCat("--layers=", kLayers), "--topk=8"});
+    ASSERT_GT(server_->pid(), 0);
     const std::regex port_re(R"(serving on port (\d+))");
     for (int i = 0; i < 500 && port_ == 0; ++i) {
       std::smatch m;
-      const std::string text = ReadFile(log_);
+      const std::string text = server_->Log();
       if (std::regex_search(text, m, port_re)) port_ = std::stoi(m[1]);
       if (port_ == 0) absl::SleepFor(absl::Milliseconds(10));
     }
-    ASSERT_GT(port_, 0) << ReadFile(log_);
+    ASSERT_GT(port_, 0) << server_->Log();
     absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
         client::IndexerClient::Connect(absl::StrCat("127.0.0.1:", port_));
     ASSERT_TRUE(c.ok()) << c.status();
@@ -106,11 +68,10 @@ class EchoServerTest : public ::testing::Test {
 
   void TearDown() override {
     client_.reset();
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      EXPECT_EQ(WaitExit(pid_, absl::Seconds(10)), 0) << ReadFile(log_);
+    if (server_ != nullptr && server_->pid() > 0) {
+      kill(server_->pid(), SIGTERM);
+      EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(0)) << server_->Log();
     }
-    unlink(log_.c_str());
   }
 
   // `n` tokens of keys for every layer (bf16 zeros: the echo server never reads them).
@@ -148,8 +109,7 @@ class EchoServerTest : public ::testing::Test {
     EXPECT_THAT(r.lengths(), ::testing::ElementsAre(1, 1));
   }
 
-  std::string log_;
-  pid_t pid_ = -1;
+  std::unique_ptr<Child> server_;
   int port_ = 0;
   std::unique_ptr<client::IndexerClient> client_;
 };
@@ -215,16 +175,13 @@ TEST_F(EchoServerTest, IndexerBenchRunsAgainstIt) {
   const char* bench = std::getenv("INDEXER_BENCH_BINARY");
   ASSERT_NE(bench, nullptr);
   const std::string json = ::testing::TempDir() + "/echo-bench.json";
-  const std::string log = ::testing::TempDir() + "/echo-bench.log";
   for (const char* style : {"unary", "batch", "stream"}) {
-    const pid_t pid =
-        Spawn({bench, absl::StrCat("--servers=127.0.0.1:", port_), absl::StrCat("--style=", style),
-               "--concurrency=2", "--batch=2", "--prefill=300", "--prefill_chunk=128",
-               "--decode_steps=1000", "--rewind=16", "--heads=2", "--duration=500ms",
-               "--warmup=100ms", "--progress=off", "--json=" + json},
-              log);
-    ASSERT_GT(pid, 0);
-    ASSERT_EQ(WaitExit(pid, absl::Seconds(60)), 0) << ReadFile(log);
+    const testing::RunResult run =
+        RunToEnd({bench, absl::StrCat("--servers=127.0.0.1:", port_), absl::StrCat("--style=", style),
+                  "--concurrency=2", "--batch=2", "--prefill=300", "--prefill_chunk=128",
+                  "--decode_steps=1000", "--rewind=16", "--heads=2", "--duration=500ms",
+                  "--warmup=100ms", "--progress=off", "--json=" + json});
+    ASSERT_EQ(run.code, 0) << run.output;
     google::protobuf::Struct report;
     ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(ReadFile(json), &report).ok());
     const google::protobuf::Struct& stage =
@@ -236,18 +193,14 @@ TEST_F(EchoServerTest, IndexerBenchRunsAgainstIt) {
     EXPECT_THAT(server.fields().at("note").string_value(), HasSubstr("no backend figures"));
   }
   unlink(json.c_str());
-  unlink(log.c_str());
 }
 
 TEST(EchoServerFlags, RefusedValueExits2) {
   const char* binary = std::getenv("INDEXER_ECHO_SERVER_BINARY");
   ASSERT_NE(binary, nullptr);
-  const std::string log = ::testing::TempDir() + "/echo-flags.log";
-  const pid_t pid = Spawn({binary, "--listen=127.0.0.1:0", "--head_dim=0"}, log);
-  ASSERT_GT(pid, 0);
-  EXPECT_EQ(WaitExit(pid, absl::Seconds(10)), 2);
-  EXPECT_THAT(ReadFile(log), HasSubstr("--head_dim"));
-  unlink(log.c_str());
+  const testing::RunResult run = RunToEnd({binary, "--listen=127.0.0.1:0", "--head_dim=0"});
+  EXPECT_EQ(run.code, 2);
+  EXPECT_THAT(run.output, HasSubstr("--head_dim"));
 }
 
 }  // namespace

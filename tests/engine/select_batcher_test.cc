@@ -369,8 +369,9 @@ struct Step {
   absl::StatusOr<StepResult> result = absl::UnknownError("not run");
 };
 
+// One decode step: append s.key, then select with s.query (`heads` index heads).
 absl::StatusOr<StepResult> DecodeStep(Engine& e, const std::string& id, const Step& s,
-                                      const engine::CallControl& control = {}) {
+                                      const engine::CallControl& control = {}, int heads = 1) {
   const std::string keys = Bytes(s.key);
   const std::string queries = Bytes(s.query);
   StepRequest r;
@@ -379,7 +380,7 @@ absl::StatusOr<StepResult> DecodeStep(Engine& e, const std::string& id, const St
   a.dtype = WireDtype::kBf16;
   a.keys = keys;
   r.append = a;
-  r.num_heads = 1;
+  r.num_heads = heads;
   r.query_dtype = WireDtype::kBf16;
   r.queries = queries;
   return e.Select(r, control);
@@ -574,17 +575,7 @@ void RandomLoad(const EngineConfig& config, uint64_t seed) {
         if (kind == 0) {  // a decode step on one sequence
           const std::string& id = ids[rng() % 2];
           Step s{RandomBf16(rng, config.head_dim), RandomBf16(rng, 2 * config.head_dim)};
-          const std::string keys = Bytes(s.key), queries = Bytes(s.query);
-          StepRequest r;
-          r.sequence_id = id;
-          AppendRequest a;
-          a.dtype = WireDtype::kBf16;
-          a.keys = keys;
-          r.append = a;
-          r.num_heads = 2;
-          r.query_dtype = WireDtype::kBf16;
-          r.queries = queries;
-          absl::StatusOr<StepResult> got = e.Select(r);
+          absl::StatusOr<StepResult> got = DecodeStep(e, id, s, {}, /*heads=*/2);
           ASSERT_TRUE(got.ok()) << got.status();
           SeqModel& m = models[id];
           m.Append(0, s.key);

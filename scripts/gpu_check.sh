@@ -5,7 +5,8 @@
 # Logs go to $OUT (default ./gpu-out).
 #
 #   scripts/gpu_check.sh [tests|bench|all]    (default all)
-#     tests: GPU tests and compute-sanitizer; bench: our benchmark and the streaming probe;
+#     tests: GPU tests and compute-sanitizer; bench: our benchmark, its decode timeline and the
+#     streaming probe;
 #     all: both, then the seed
 #   scripts/gpu_check.sh faults
 #     GPU faults: a capacity larger than the card must fail at start with a clear message, and
@@ -66,15 +67,19 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   step "kernel benchmark"
   $bundle/indexer-kernel-bench --preset=all --storage=both > "$out/kernel_bench.jsonl" 2>&1 || status=1
   grep -v '^{' "$out/kernel_bench.jsonl"
+  step "where the decode time goes (--timeline: %globaltimer stamps of one run per case)"
+  $bundle/indexer-kernel-bench --preset=decode --storage=bf16 --reps=20 --timeline 2>&1 | grep -v '^{' \
+    | tee "$out/timeline.txt" || status=1
   step "streaming probe (access patterns on the B=256 L=128K bytes)"
   $bundle/indexer-stream-probe 262144 2>&1 | tee "$out/stream_probe.txt" || status=1
 fi
 if [ "$what" = sweep ]; then
-  # Blocks per CTA against bandwidth on the large decode cases.
-  for chunk in 4 8 16 32 64 128; do
+  # Blocks per CTA against time on the large and the medium decode cases.
+  for chunk in ${SWEEP_CHUNKS:-8 16 32 64 128}; do
     step "max-chunk $chunk"
     $bundle/indexer-kernel-bench --case=256,131072,1,1,uniform --case=256,131072,4,1,uniform \
-      --case=1,131072,1,1,uniform --storage=bf16 --reps=50 --max-chunk=$chunk | grep -v '^{'
+      --case=64,32768,4,1,uniform --case=16,32768,1,4,uniform --case=64,131072,1,4,uniform \
+      --case=1,131072,4,1,uniform --storage=bf16 --reps=50 --max-chunk=$chunk | grep -v '^{'
   done
 fi
 if [ "$what" = profile ]; then

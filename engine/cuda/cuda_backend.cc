@@ -611,7 +611,8 @@ absl::Status CudaBackend::SelectOnDevice(std::span<const SelectTask> tasks,
                                          kernels::cuda::ScanBf16(s.queries, rows * d),
                                          KeyMax(tasks[i].layer));
   }
-  const kernels::cuda::SelectBatch batch = kernels::cuda::PlanSelectBatch(descs, paths, num_sms_, d);
+  const kernels::cuda::SelectBatch batch =
+      kernels::cuda::PlanSelectBatch(descs, paths, num_sms_, d, config_.key_storage);
   std::memcpy(h, batch.descs.data(), m * sizeof(SpanDesc));
   INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_scores, batch.ScoreFloats() * 4));
   cudaStream_t st = lane.stream.get();

@@ -196,13 +196,49 @@ struct Workload {
   }
 };
 
+// One eager run after an L2 flush with the kernel's timeline stamps: µs from the first CTA's start
+// to each phase (the median of 21 runs per phase; the last span to finish sets the top-k phases).
+std::string TimelineLine(Workload& w, const kc::DecodePlan& plan, KeyStorage st,
+                   const indexer::kernels::PageTableParams& pt, Timer& timer, cudaStream_t stream) {
+  unsigned long long* d = nullptr;
+  CHECK_CUDA(cudaMalloc(&d, kc::kDecodeTimelineSlots * sizeof(unsigned long long)));
+  std::vector<std::vector<double>> at(kc::kDecodeTimelineSlots);
+  for (int run = 0; run < 21; ++run) {
+    CHECK_CUDA(cudaMemsetAsync(d, 0, kc::kDecodeTimelineSlots * sizeof(unsigned long long), stream));
+    CHECK_CUDA(cudaMemsetAsync(d, 0xff, sizeof(unsigned long long), stream));
+    CHECK_CUDA(cudaMemsetAsync(timer.flush, run & 0xff, Timer::kFlushBytes, stream));
+    CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs, static_cast<int>(w.descs.size()), plan, st, kD, pt,
+                                      w.scores, w.counters, stream, d));
+    unsigned long long h[kc::kDecodeTimelineSlots];
+    CHECK_CUDA(cudaMemcpyAsync(h, d, sizeof(h), cudaMemcpyDeviceToHost, stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    for (int i = 1; i < kc::kDecodeTimelineSlots; ++i) {
+      // 0: the phase did not run (say, no register pass).
+      if (h[i] != 0) at[i].push_back(static_cast<double>(h[i] - h[0]) * 1e-3);
+    }
+  }
+  CHECK_CUDA(cudaFree(d));
+  static const char* kNames[] = {"", "streamed", "last CTA", "keys loaded", "thresholds", "selected",
+                                 "shared pass", "end"};
+  std::string line = "  timeline (us from the first CTA's start, median):";
+  for (int i = 1; i < kc::kDecodeTimelineSlots; ++i) {
+    if (at[i].empty()) continue;
+    std::sort(at[i].begin(), at[i].end());
+    char part[64];
+    std::snprintf(part, sizeof(part), " %s %.2f", kNames[i], at[i][at[i].size() / 2]);
+    line += part;
+  }
+  return line;
+}
+
 int main_impl(int argc, char** argv) {
   std::string preset = "all";
   std::string storage = "both";
   double peak = 4.8;
   int reps = 200;
-  int max_chunk = 32;
+  int max_chunk = 0;  // 0: DecodeChunkBlocks, as the server
   bool flush = true;
+  bool timeline = false;
   std::vector<DecodeCase> custom;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -217,9 +253,12 @@ int main_impl(int argc, char** argv) {
           "  --storage=bf16|fp8|both       key cache type (default both; fp8 decode only)\n"
           "  --case=B,L,H,Q,DIST           a decode case instead of the preset (repeatable)\n"
           "  --reps=N                      timed runs per case (default 200)\n"
-          "  --max-chunk=N                 decode: most blocks per CTA (default 32, as the server)\n"
+          "  --max-chunk=N                 decode: most blocks per CTA (default: 512 KB of keys, as\n"
+          "                                the server)\n"
           "  --flush=0|1                   flush L2 (256 MB memset) before every timed run (default 1)\n"
-          "  --peak-tbps=X                 memory bandwidth for the floor (default 4.8)\n");
+          "  --peak-tbps=X                 memory bandwidth for the floor (default 4.8)\n"
+          "  --timeline                    decode: also print where one run's time goes (%%globaltimer\n"
+          "                                stamps: streaming, the last CTA's top-k phases)\n");
       return 0;
     } else if (!val("--preset").empty()) {
       preset = val("--preset");
@@ -231,6 +270,8 @@ int main_impl(int argc, char** argv) {
       flush = val("--flush") != "0";
     } else if (!val("--max-chunk").empty()) {
       max_chunk = std::max(1, std::atoi(val("--max-chunk").c_str()));
+    } else if (a == "--timeline") {
+      timeline = true;
     } else if (!val("--peak-tbps").empty()) {
       peak = std::atof(val("--peak-tbps").c_str());
     } else if (!val("--case").empty()) {
@@ -271,7 +312,8 @@ int main_impl(int argc, char** argv) {
         std::vector<int64_t> starts(lens.size());
         for (size_t i = 0; i < lens.size(); ++i) starts[i] = std::max<int64_t>(0, lens[i] - c.q);
         Workload w(lens, starts, c.q, c.h, st, rng);
-        const kc::DecodePlan plan = kc::PlanDecode(w.descs, prop.multiProcessorCount, max_chunk);
+        const kc::DecodePlan plan = kc::PlanDecode(w.descs, prop.multiProcessorCount,
+                                                   max_chunk > 0 ? max_chunk : kc::DecodeChunkBlocks(kD, st));
         w.Upload(plan.score_floats);
         const auto launch = [&] {
           CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs, static_cast<int>(w.descs.size()), plan, st, kD, pt,
@@ -287,6 +329,7 @@ int main_impl(int argc, char** argv) {
         const double replay = timer.Median([&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); }, 20, reps, stream);
         CHECK_CUDA(cudaStreamSynchronize(stream));
         w.CheckIds();
+        const std::string timeline_line = timeline ? TimelineLine(w, plan, st, pt, timer, stream) : "";
         CHECK_CUDA(cudaGraphExecDestroy(exec));
         CHECK_CUDA(cudaGraphDestroy(graph));
         const int elem = st == KeyStorage::kBf16 ? 2 : 1;
@@ -307,6 +350,7 @@ int main_impl(int argc, char** argv) {
                       sname, c.b, static_cast<long long>(c.l), c.h, c.q, c.dist.c_str(), replay, eager, tbps,
                       100 * floor_us / replay, peak);
         table.push_back(line);
+        if (!timeline_line.empty()) table.push_back(timeline_line);
       }
     }
   }

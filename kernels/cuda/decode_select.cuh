@@ -18,6 +18,8 @@
 // 0; others take the exact path).
 #pragma once
 
+#include <cuda/atomic>
+
 #include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/topk.cuh"
 
@@ -32,6 +34,9 @@ struct DecodeParams {
   int* counters;
   PageTableParams pt;
   int smem_keys;  // top-k keys the dynamic shared memory holds
+  // The kernel benchmark's --timeline (nullptr otherwise): DecodeTimelineSlot stamps; with
+  // several spans, their last CTAs overwrite each other's top-k stamps.
+  unsigned long long* timeline;
 };
 
 // The span whose units contain `unit`: the last span with unit_begin <= unit.
@@ -113,14 +118,17 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   char* smem = reinterpret_cast<char*>(decode_smem);
   __shared__ int s_span;
   __shared__ bool s_last;
+  __shared__ __align__(16) unsigned char s_desc[sizeof(SpanDesc)];  // the span's descriptor
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
+  if (p.timeline != nullptr && threadIdx.x == 0) atomicMin(p.timeline + kTimelineStart, GlobalTimer());
   if (warp == 0) {
     const int span = FindSpanWarp(p.spans, p.num_spans, blockIdx.x);
     if (lane == 0) s_span = span;
+    (void)CopySpanDesc(p.spans, span, s_desc);
   }
   __syncthreads();
-  const SpanDesc& s = p.spans[s_span];
+  const SpanDesc& s = *reinterpret_cast<const SpanDesc*>(s_desc);
   // The span's fields in registers: the score stores below would otherwise make the compiler
   // read them again from global memory on every block.
   const int g = lane >> 2;
@@ -292,20 +300,25 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   CpAsyncWait<0>();
   __syncthreads();
   if (b_end > b_begin) flush(b_end - 1);
-  __threadfence();
+  if (p.timeline != nullptr && threadIdx.x == 0) atomicMax(p.timeline + kTimelineStreamed, GlobalTimer());
+  // The span's counter, by thread 0 between two barriers: its release publishes this CTA's scores
+  // (ordered before it by the first barrier), its acquire makes every other CTA's visible to the
+  // whole CTA (through the second); no separate fences.
   __syncthreads();
   if (threadIdx.x == 0) {
-    const int done = atomicAdd(&p.counters[s_span], 1);
+    ::cuda::atomic_ref<int, ::cuda::thread_scope_device> counter(p.counters[s_span]);
+    const int done = counter.fetch_add(1, ::cuda::memory_order_acq_rel);
     s_last = done == s.block_chunks - 1;
   }
   __syncthreads();
   if (!s_last) return;
-  __threadfence();
+  unsigned long long* stamps = p.timeline;
+  Stamp(stamps, kTimelineLast);
   const int n = NextPow2(s.visible_blocks);
   const int rows_per_pass = max(1, p.smem_keys / n);
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
   for (int r0 = 0; r0 < rows; r0 += rows_per_pass) {
-    SelectRows(s, p.scores, r0, min(rows_per_pass, rows - r0), n, keys, p.pt);
+    SelectRows<true>(s, p.scores, r0, min(rows_per_pass, rows - r0), n, keys, p.pt, stamps);
   }
   if (threadIdx.x == 0) p.counters[s_span] = 0;
 }

@@ -89,4 +89,11 @@ __device__ __forceinline__ float MaxSkipNaN(float acc, float x) { return fmaxf(a
 
 __device__ __forceinline__ float NaNf() { return __int_as_float(0x7fffffff); }
 
+// Nanoseconds of the GPU's global timer (the kernel benchmark's --timeline).
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 }  // namespace indexer::kernels::cuda

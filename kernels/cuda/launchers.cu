@@ -154,7 +154,8 @@ cudaError_t LaunchAppendKeysBatch(const AppendArgs* d_writes, int count, int64_t
 
 cudaError_t DescribeDecodeSelect(const SpanDesc* spans, int num_spans, const DecodePlan& plan,
                                  KeyStorage storage, int head_dim, PageTableParams pt,
-                                 float* scores, int* counters, LaunchList* out) {
+                                 float* scores, int* counters, LaunchList* out,
+                                 unsigned long long* timeline) {
   if (num_spans == 0 || plan.total_units == 0) return cudaSuccess;
   if (plan.max_rows > MaxDecodeRows(head_dim)) return cudaErrorInvalidValue;
   const int n_tiles = (plan.max_rows + 7) / 8;
@@ -174,6 +175,7 @@ cudaError_t DescribeDecodeSelect(const SpanDesc* spans, int num_spans, const Dec
       params.scores = scores;
       params.counters = counters;
       params.pt = pt;
+      params.timeline = timeline;
       params.smem_keys = static_cast<int>(smem / 8 - kTopkWarps * kWarpCandidates);
       const auto describe = [&](auto kernel) -> cudaError_t {
         return Describe(kernel, dim3(static_cast<unsigned>(plan.total_units)), dim3(kDecodeWarps * 32),
@@ -218,10 +220,11 @@ cudaError_t DescribeExactSelect(const SpanDesc* spans, int num_spans, const Pref
 
 cudaError_t LaunchDecodeSelect(const SpanDesc* spans, int num_spans, const DecodePlan& plan,
                                KeyStorage storage, int head_dim, PageTableParams pt,
-                               float* scores, int* counters, cudaStream_t stream) {
+                               float* scores, int* counters, cudaStream_t stream,
+                               unsigned long long* timeline) {
   LaunchList list;
-  const cudaError_t err =
-      DescribeDecodeSelect(spans, num_spans, plan, storage, head_dim, pt, scores, counters, &list);
+  const cudaError_t err = DescribeDecodeSelect(spans, num_spans, plan, storage, head_dim, pt, scores,
+                                               counters, &list, timeline);
   return err != cudaSuccess ? err : list.Enqueue(stream);
 }
 

@@ -110,12 +110,16 @@ struct LaunchList {
 // top-k (and page tables) in one launch. `spans` (device) was planned by PlanDecode; `plan` is
 // its host result. `scores` holds plan.score_floats floats; `counters` holds num_spans ints, zero
 // before the first launch (each launch leaves them zero). Describes nothing when there is no work.
+// `timeline`, for the kernel benchmark only (nullptr elsewhere), receives kDecodeTimelineSlots
+// %globaltimer stamps (decode_select.cuh says which); slot 0 must start at ~0ull, the rest at 0.
 cudaError_t DescribeDecodeSelect(const SpanDesc* spans, int num_spans, const DecodePlan& plan,
                                  KeyStorage storage, int head_dim, PageTableParams pt,
-                                 float* scores, int* counters, LaunchList* out);
+                                 float* scores, int* counters, LaunchList* out,
+                                 unsigned long long* timeline = nullptr);
 cudaError_t LaunchDecodeSelect(const SpanDesc* spans, int num_spans, const DecodePlan& plan,
                                KeyStorage storage, int head_dim, PageTableParams pt,
-                               float* scores, int* counters, cudaStream_t stream);
+                               float* scores, int* counters, cudaStream_t stream,
+                               unsigned long long* timeline = nullptr);
 
 // Prefill selection (any number of rows): tensor-core block scores into `scores`
 // (plan.score_floats floats), then top-k and page tables. Two launches.

@@ -191,11 +191,14 @@ __global__ void __launch_bounds__(256)
     PrefillTopkKernel(const SpanDesc* spans, int num_spans, const float* scores,
                       PageTableParams pt) {
   extern __shared__ uint64_t keys[];
-  const SpanDesc& s = spans[FindSpan(spans, num_spans, blockIdx.x, true)];
+  __shared__ __align__(16) unsigned char s_desc[sizeof(SpanDesc)];
+  if (threadIdx.x < 32) (void)CopySpanDesc(spans, FindSpan(spans, num_spans, blockIdx.x, true), s_desc);
+  __syncthreads();
+  const SpanDesc& s = *reinterpret_cast<const SpanDesc*>(s_desc);
   const int rows_per_group = TopkRowsPerGroup(s.visible_blocks);
   const int r0 = (blockIdx.x - s.topk_group_begin) * rows_per_group;
   const int rows = s.num_tokens * s.num_heads;
-  SelectRows(s, scores, r0, min(rows_per_group, rows - r0), NextPow2(s.visible_blocks), keys, pt);
+  SelectRows<false>(s, scores, r0, min(rows_per_group, rows - r0), NextPow2(s.visible_blocks), keys, pt);
 }
 
 }  // namespace indexer::kernels::cuda

@@ -12,7 +12,7 @@ int64_t SelectBatch::ScoreFloats() const {
 }
 
 SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
-                            int num_sms, int head_dim) {
+                            int num_sms, int head_dim, KeyStorage storage) {
   SelectBatch b;
   for (SpanPath want : {SpanPath::kDecode, SpanPath::kPrefill, SpanPath::kExact}) {
     for (size_t i = 0; i < spans.size(); ++i) {
@@ -24,7 +24,7 @@ SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vecto
     (want == SpanPath::kDecode ? b.n_decode : want == SpanPath::kPrefill ? b.n_prefill : b.n_exact) = n;
   }
   SpanDesc* d = b.descs.data();
-  b.decode = PlanDecode(std::span<SpanDesc>(d, b.n_decode), num_sms);
+  b.decode = PlanDecode(std::span<SpanDesc>(d, b.n_decode), num_sms, DecodeChunkBlocks(head_dim, storage));
   b.prefill = PlanPrefill(std::span<SpanDesc>(d + b.n_decode, b.n_prefill), head_dim);
   b.exact = PlanPrefill(std::span<SpanDesc>(d + b.n_decode + b.n_prefill, b.n_exact), head_dim);
   return b;

@@ -24,7 +24,7 @@ struct SelectBatch {
 
 // `spans` in the caller's order with their paths (ChoosePath); plans every group.
 SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
-                            int num_sms, int head_dim);
+                            int num_sms, int head_dim, KeyStorage storage);
 
 // Describes the launches of the groups of `batch` (appended to *out, in stream order), whose
 // descriptors are at `d_descs` (device, same order as batch.descs). `scores` holds

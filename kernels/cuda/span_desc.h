@@ -52,11 +52,19 @@ struct DecodePlan {
   int32_t max_visible_blocks = 0;
 };
 
+// Blocks per decode CTA at most: 512 KB of keys (16 bf16 or 32 fp8 blocks at head_dim 128), what
+// the H200 streamed fastest (docs/PERF.md: 16 and 32 bf16 blocks within 1% on large batches,
+// 16 ahead on ragged ones; 32 fp8 blocks 6% ahead of 16).
+INDEXER_HD int DecodeChunkBlocks(int head_dim, KeyStorage storage) {
+  const int page_bytes = kBlockSize * head_dim * KeyStorageBytes(storage);
+  const int blocks = (512 * 1024) / page_bytes;
+  return blocks < 4 ? 4 : (blocks > 64 ? 64 : blocks);
+}
+
 // Splits every span's blocks into work units of chunk_blocks blocks (one CTA each), chosen so that
 // the whole batch spreads over `num_sms` multiprocessors whatever the mix of lengths.
-// `max_chunk_blocks` caps the blocks per CTA (the benchmark varies it; the backend uses the
-// default).
-DecodePlan PlanDecode(std::span<SpanDesc> spans, int num_sms, int max_chunk_blocks = 32);
+// `max_chunk_blocks` caps the blocks per CTA: DecodeChunkBlocks (the benchmark varies it).
+DecodePlan PlanDecode(std::span<SpanDesc> spans, int num_sms, int max_chunk_blocks);
 
 struct PrefillPlan {
   int32_t total_units = 0;        // score CTAs
@@ -102,6 +110,15 @@ INDEXER_HD int TopkRowsPerGroup(int32_t visible_blocks) {
   const int n = NextPow2(visible_blocks > 1 ? visible_blocks : 1);
   return n >= kTopkSmemKeys ? 1 : kTopkSmemKeys / n;
 }
+
+// The decode kernel's timeline slots (the kernel benchmark's --timeline; DecodeParams): the first
+// CTA starts, the last CTA ends its streaming, the last CTA of a span knows it is last, then the
+// phases of that CTA's top-k (topk.cuh): keys loaded, thresholds known, threshold pass done,
+// shared-memory selection done, end.
+enum DecodeTimelineSlot {
+  kTimelineStart, kTimelineStreamed, kTimelineLast, kTimelineLoaded, kTimelineThreshold,
+  kTimelineSelected, kTimelineShared, kTimelineEnd, kDecodeTimelineSlots
+};
 
 // Query rows per prefill score CTA for a head dimension.
 INDEXER_HD int PrefillRowTile(int head_dim) { return head_dim == 256 ? 64 : 128; }

@@ -13,8 +13,8 @@ DecodePlan PlanDecode(std::span<SpanDesc> spans, int num_sms, int max_chunk_bloc
     total_blocks += s.visible_blocks;
   }
   // One wave of CTAs (two per multiprocessor) when the batch is small, so one long span spreads
-  // over the whole GPU; fatter CTAs (up to 32 blocks, 1 MB of bf16 keys) when it is large, so
-  // per-CTA set-up and the final atomics are amortised.
+  // over the whole GPU; fatter CTAs (up to max_chunk_blocks) when it is large, so per-CTA set-up
+  // and the final atomics are amortised.
   const int64_t slots = int64_t{2} * std::max(1, num_sms);
   const int32_t chunk = static_cast<int32_t>(
       std::clamp<int64_t>((total_blocks + slots - 1) / slots, 1, std::max(1, max_chunk_blocks)));

@@ -188,68 +188,48 @@ __device__ __forceinline__ bool WarpTopK(const uint64_t* row, int n, int kk, uin
   return true;
 }
 
-// Selects rows [row_begin, row_begin + rows) of span `s` from raw scores in global memory
-// (written by other CTAs: read through L2). `keys` is shared memory for rows * n keys, with
-// n = NextPow2(s.visible_blocks), followed by kWarpCandidates keys per warp. Called by every
-// thread of the CTA.
-__device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* scores, int row_begin,
-                                           int rows, int n, uint64_t* keys, PageTableParams pt) {
-  __syncthreads();  // callers may still be reading the shared memory `keys` reuses
+// Copies spans[span] into `out` (shared memory, sizeof(SpanDesc) bytes, 16-byte aligned), one
+// word per lane in one round trip. Called by all 32 lanes of one warp; visible to the CTA after
+// a barrier. The top-k reads many fields one after another, some only after a decision on
+// others; from global memory each is an L2 round trip (the decode selector's acquire of its
+// counter invalidates L1 first: CCTL.IVALL in its SASS), 0.3 to 0.4 µs of the last CTA's time
+// on the H200 timeline.
+__device__ __forceinline__ const SpanDesc& CopySpanDesc(const SpanDesc* spans, int span, unsigned char* out) {
+  static_assert(sizeof(SpanDesc) % 4 == 0 && sizeof(SpanDesc) / 4 <= 32, "one word per lane");
+  const int lane = threadIdx.x & 31;
+  if (lane < static_cast<int>(sizeof(SpanDesc) / 4)) {
+    reinterpret_cast<int32_t*>(out)[lane] = reinterpret_cast<const int32_t*>(spans + span)[lane];
+  }
+  return *reinterpret_cast<const SpanDesc*>(out);
+}
+
+// Thread 0 writes the time into `stamps[slot]` (DecodeTimelineSlot) when stamps is set.
+__device__ __forceinline__ void Stamp(unsigned long long* stamps, int slot) {
+  if (stamps != nullptr && threadIdx.x == 0) stamps[slot] = GlobalTimer();
+}
+
+// Rows [row_begin, row_begin + rows) of span `s` are selected in passes; both passes below leave
+// the rows' keys in shared memory at keys[(r << log2(n)) + b] (0 past the row's visible blocks, which
+// sorts last) and the candidate scratch after them, kTopkWarps * kWarpCandidates keys.
+
+// Each warp selects its rows of the pass from the shared keys, writing their block ids; rows
+// with `counts` set and counts[r] <= cap were selected already and are left alone. Rows whose
+// top-k a warp cannot find alone are sorted whole by the CTA afterwards. Called by every thread.
+__device__ __forceinline__ void SelectFromSharedKeys(const SpanDesc& s, int row_begin, int rows, int n,
+                                                     uint64_t* keys, const int* counts, int cap) {
   const int log_n = __ffs(n) - 1;
   const int count = rows << log_n;
-  {
-    // The span's fields in registers, and the score loads of a thread issued together, sixteen
-    // at a time: one at a time (the H200 timeline showed it) they cost an L2 round trip per key,
-    // 7.7 µs for four rows of 1024 blocks.
-    const int64_t start_pos = s.start_pos;
-    const int num_heads = s.num_heads;
-    const int64_t score_offset = s.score_offset;
-    const int64_t visible = s.visible_blocks;
-    const int init_blocks = s.init_blocks;
-    const int local_blocks = s.local_blocks;
-    constexpr int kBatch = 16;
-    const auto where = [&](int idx, int& b, int64_t& v) {
-      const int row = row_begin + (idx >> log_n);
-      b = idx & (n - 1);
-      v = (start_pos + row / num_heads) / kBlockSize + 1;
-      return score_offset + int64_t{row} * visible + b;
-    };
-    for (int base = threadIdx.x; base < count; base += kBatch * blockDim.x) {
-      float raw[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        // Branch-free, from a valid address either way (the span's first score), so that the
-        // loads are in flight together.
-        const int idx = base + u * blockDim.x;
-        int b = 0;
-        int64_t v = 0;
-        const int64_t at = where(min(idx, count - 1), b, v);
-        raw[u] = __ldcg(scores + (idx < count && b < v ? at : score_offset));
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int idx = base + u * blockDim.x;
-        if (idx >= count) break;
-        int b = 0;
-        int64_t v = 0;
-        (void)where(idx, b, v);
-        // 0 is below every real key: padding sorts last.
-        keys[idx] = b < v ? SelectionKey(ForcedScore(raw[u], b, v, init_blocks, local_blocks), b) : 0;
-      }
-    }
-  }
-  __syncthreads();
   const int topk = s.topk;
   const int kk = min(n, NextPow2(topk));
   const int warp = threadIdx.x >> 5;
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31;
   uint64_t* candidates = keys + count + warp * kWarpCandidates;
-  // Rows whose top-k the warps could not find alone are sorted whole, by the CTA, afterwards.
   __shared__ int s_need_full;
   if (threadIdx.x == 0) s_need_full = 0;
   __syncthreads();
   for (int r = warp; r < rows; r += warps) {
+    if (counts != nullptr && counts[r] <= cap) continue;
     const int row = row_begin + r;
     const int64_t pos = s.start_pos + row / s.num_heads;
     const int64_t v = pos / kBlockSize + 1;
@@ -280,7 +260,8 @@ __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* score
   }
   __syncthreads();
   if (s_need_full) {
-    // Some rows need the CTA-wide reduction: run it on every row of the pass (rare).
+    // Some rows need the CTA-wide reduction: run it on every row of the pass (rare; the rows
+    // selected already get the same ids again).
     TopKSegmentsDesc(keys, count, n, kk);
     for (int idx = threadIdx.x; idx < rows * topk; idx += blockDim.x) {
       const int r = idx / topk;
@@ -290,8 +271,207 @@ __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* score
       s.block_ids[int64_t{row} * topk + j] = (j < v && j < kk) ? SelectionKeyBlock(keys[(r << log_n) + j]) : -1;
     }
   }
+}
+
+// Loads the keys of a pass of any row count and length into shared memory in index order, for
+// SelectFromSharedKeys. Called by every thread.
+__device__ __forceinline__ void LoadKeysShared(const SpanDesc& s, const float* scores, int row_begin,
+                                               int rows, int n, uint64_t* keys) {
+  __syncthreads();  // callers may still be reading the shared memory `keys` reuses
+  const int log_n = __ffs(n) - 1;
+  const int count = rows << log_n;
+  // The span's fields in registers, and the score loads of a thread issued together, sixteen
+  // at a time: one at a time (the H200 timeline showed it) they cost an L2 round trip per key,
+  // 7.7 µs for four rows of 1024 blocks.
+  const int64_t start_pos = s.start_pos;
+  const int num_heads = s.num_heads;
+  const int64_t score_offset = s.score_offset;
+  const int64_t visible = s.visible_blocks;
+  const int init_blocks = s.init_blocks;
+  const int local_blocks = s.local_blocks;
+  constexpr int kBatch = 16;
+  const auto where = [&](int idx, int& b, int64_t& v) {
+    const int row = row_begin + (idx >> log_n);
+    b = idx & (n - 1);
+    v = (start_pos + row / num_heads) / kBlockSize + 1;
+    return score_offset + int64_t{row} * visible + b;
+  };
+  for (int base = threadIdx.x; base < count; base += kBatch * blockDim.x) {
+    float raw[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      // Branch-free, from a valid address either way (the span's first score), so that the
+      // loads are in flight together.
+      const int idx = base + u * blockDim.x;
+      int b = 0;
+      int64_t v = 0;
+      const int64_t at = where(min(idx, count - 1), b, v);
+      raw[u] = __ldcg(scores + (idx < count && b < v ? at : score_offset));
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int idx = base + u * blockDim.x;
+      if (idx >= count) break;
+      int b = 0;
+      int64_t v = 0;
+      (void)where(idx, b, v);
+      // 0 is below every real key: padding sorts last.
+      keys[idx] = b < v ? SelectionKey(ForcedScore(raw[u], b, v, init_blocks, local_blocks), b) : 0;
+    }
+  }
+}
+
+// Keys one thread of the threshold pass holds at most.
+inline constexpr int kThresholdKeys = 16;
+
+// Threshold pass: rows of `tpr` threads each (32 or 64: one or two warps), every thread loading
+// n / tpr <= kThresholdKeys keys of its row. The kk-th largest of the row's thread maxima (kk =
+// min(n, NextPow2(topk)) <= 32) is at most the row's kk-th largest key, so every key of the top
+// kk is at or above it: the threads append those keys to the row's candidate list together (a
+// few dozen for random scores), and one warp per row sorts that list. A row whose list
+// overflows `cap` is left to SelectFromSharedKeys; `s_count` (shared, kThresholdRowsPerPass)
+// receives each row's candidate count.
+inline constexpr int kThresholdRowsPerPass = 8;
+
+__device__ __forceinline__ void SelectRowsThreshold(const SpanDesc& s, const float* scores, int row_begin,
+                                                    int rows, int n, int tpr, uint64_t* keys, int* s_count,
+                                                    int cap, unsigned long long* stamps) {
+  __shared__ uint64_t s_threshold[kThresholdRowsPerPass];
+  __shared__ uint64_t s_upper[kThresholdRowsPerPass][16];  // the second warp's 16 largest maxima
+  __syncthreads();  // callers may still be reading the shared memory `keys` reuses
+  const int log_n = __ffs(n) - 1;
+  const int count = rows << log_n;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int kk = min(n, NextPow2(s.topk));
+  const int log_tpr = __ffs(tpr) - 1;
+  const int r = threadIdx.x >> log_tpr;
+  const bool active = r < rows;
+  const int per_thread = active ? n >> log_tpr : 0;
+  const int first = (r << log_n) + (threadIdx.x & (tpr - 1));
+  uint64_t* lists = keys + count;  // cap keys per row
+  if (threadIdx.x < kThresholdRowsPerPass) {
+    s_threshold[threadIdx.x] = 0;
+    s_count[threadIdx.x] = 0;
+  }
+  uint64_t mx = 0;
+  {
+    // Thread c of a row holds blocks c, c + tpr, ...: a warp's loads are contiguous. Every
+    // load is issued, branch-free from a valid address, before any is used.
+    const int row = row_begin + min(r, rows - 1);
+    const int64_t v = (s.start_pos + row / s.num_heads) / kBlockSize + 1;
+    const int64_t score_offset = s.score_offset;
+    const float* row_scores = scores + score_offset + int64_t{row} * s.visible_blocks;
+    const int init_blocks = s.init_blocks;
+    const int local_blocks = s.local_blocks;
+    const int c = threadIdx.x & (tpr - 1);
+    float raw[kThresholdKeys];
+    const int visible = s.visible_blocks;
+#pragma unroll
+    for (int i = 0; i < kThresholdKeys; ++i) {
+      // Bounded by the span's visible blocks, not the row's (v, after a division): the loads
+      // need not wait for it; scores past v are read and ignored.
+      const int b = c + (i << log_tpr);
+      raw[i] = __ldcg(i < per_thread && b < visible ? row_scores + b : scores + score_offset);
+    }
+#pragma unroll
+    for (int i = 0; i < kThresholdKeys; ++i) {
+      const int b = c + (i << log_tpr);
+      if (i < per_thread) {
+        const uint64_t key = b < v ? SelectionKey(ForcedScore(raw[i], b, v, init_blocks, local_blocks), b) : 0;
+        keys[first + (i << log_tpr)] = key;
+        mx = max(mx, key);
+      }
+    }
+  }
+  Stamp(stamps, kTimelineLoaded);
+  // The threshold: the kk-th largest of the row's thread maxima (0 when fewer than kk threads
+  // hold a real key, which lets every real key through).
+  const uint64_t sorted = WarpSortLanesDesc(mx);
+  uint64_t threshold = __shfl_sync(0xffffffffu, sorted, kk - 1);
+  if (tpr == 64 && (warp & 1) && active && lane < 16) s_upper[r][lane] = sorted;
+  __syncthreads();  // the counters, thresholds and upper halves are visible
+  if (tpr == 64) {
+    if (kk <= 16) {
+      // The first warp merges the second's 16 largest (reversed: a bitonic sequence) into its own.
+      if ((warp & 1) == 0 && active) {
+        uint64_t y = lane < 16 ? sorted : s_upper[r][31 - lane];
+        for (int j = 16; j > 0; j >>= 1) {
+          const uint64_t other = __shfl_xor_sync(0xffffffffu, y, j);
+          y = (lane & j) == 0 ? max(y, other) : min(y, other);
+        }
+        const uint64_t t = __shfl_sync(0xffffffffu, y, kk - 1);
+        if (lane == 0) s_threshold[r] = t;
+      }
+    } else if (active && lane == 0) {
+      // Each warp's kk-th largest is a lower bound too.
+      atomicMax(reinterpret_cast<unsigned long long*>(&s_threshold[r]), threshold);
+    }
+    __syncthreads();
+    threshold = s_threshold[min(r, kThresholdRowsPerPass - 1)];
+  }
+  Stamp(stamps, kTimelineThreshold);
+  // The thread's keys at or above the threshold join its row's list.
+  int mine = 0;
+  for (int i = 0; i < per_thread; ++i) {
+    const uint64_t key = keys[first + (i << log_tpr)];
+    mine += (key != 0 && key >= threshold) ? 1 : 0;
+  }
+  // Slots by a prefix sum over the warp (all of whose lanes share a row) and one shared atomic
+  // per warp, not one per thread on the row's counter.
+  int before = mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, before, d);
+    if (lane >= d) before += x;
+  }
+  int base = 0;
+  if (lane == 31 && active && before > 0) base = atomicAdd(&s_count[r], before);
+  base = __shfl_sync(0xffffffffu, base, 31);
+  if (mine > 0) {
+    int slot = base + before - mine;
+    for (int i = 0; i < per_thread; ++i) {
+      const uint64_t key = keys[first + (i << log_tpr)];
+      if (key != 0 && key >= threshold) {
+        if (slot < cap) lists[r * cap + slot] = key;
+        ++slot;
+      }
+    }
+  }
+  __syncthreads();
+  const int topk = s.topk;
+  const int warps = blockDim.x >> 5;
+  for (int rr = warp; rr < rows; rr += warps) {
+    const int total = s_count[rr];
+    if (total > cap) continue;
+    uint64_t* list = lists + rr * cap;
+    const int out_row = row_begin + rr;
+    const int64_t out_v = (s.start_pos + out_row / s.num_heads) / kBlockSize + 1;
+    uint64_t x;
+    if (total <= 32) {
+      x = WarpSortLanesDesc(lane < total ? list[lane] : 0);
+    } else {
+      const int padded = NextPow2(total);
+      for (int i = total + lane; i < padded; i += 32) list[i] = 0;
+      __syncwarp();
+      WarpSortDesc(list, padded);
+      x = list[lane];
+    }
+    if (lane < topk) {
+      s.block_ids[int64_t{out_row} * topk + lane] = lane < out_v && lane < kk ? SelectionKeyBlock(x) : -1;
+    }
+  }
+  Stamp(stamps, kTimelineSelected);
+}
+
+// Writes the sparse page tables of rows [row_begin, row_begin + rows) from their block ids
+// (written by this CTA). Called by every thread.
+__device__ __forceinline__ void WritePageTables(const SpanDesc& s, int row_begin, int rows, PageTableParams pt) {
   if (s.attn_pages == nullptr) return;
   __syncthreads();  // the ids just written are read back by other warps of this CTA
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  const int topk = s.topk;
   const int row_len = topk * pt.pages_per_block;
   for (int r = warp; r < rows; r += warps) {
     const int row = row_begin + r;
@@ -299,6 +479,43 @@ __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* score
     WritePageTableRow(s.block_ids + int64_t{row} * topk, topk, pos, s.attn_pages, pt,
                       s.page_table + int64_t{row} * row_len, s.context_lens + row);
   }
+}
+
+// Selects rows [row_begin, row_begin + rows) of span `s` from raw scores in global memory
+// (written by other CTAs: read through L2). `keys` is shared memory for rows * n keys, with
+// n = NextPow2(s.visible_blocks), followed by kWarpCandidates keys per warp. Called by every
+// thread of the CTA. kThreshold allows the threshold pass (the decode selector; the prefill top-k
+// kernel, with many CTAs per multiprocessor and rows too short or too many for it to pay, keeps
+// its registers for occupancy).
+template <bool kThreshold>
+__device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* scores, int row_begin,
+                                           int rows, int n, uint64_t* keys, PageTableParams pt,
+                                           unsigned long long* stamps = nullptr) {
+  // The threshold pass where it pays (the H200 timeline): several rows of 512 or 1024 blocks
+  // (shorter rows and single rows select as fast from shared memory), topk <= 32; two warps per
+  // row for up to four rows, else one. Otherwise one pass of every row through shared memory.
+  __shared__ int s_count[kThresholdRowsPerPass];
+  const int tpr = (rows <= 4 || n > 32 * kThresholdKeys) ? 64 : 32;
+  const bool threshold = kThreshold && rows >= 2 && n >= 512 && n <= 64 * kThresholdKeys &&
+                         s.topk <= 32 && static_cast<int>(blockDim.x) == kTopkWarps * 32;
+  const int pass_rows = threshold ? static_cast<int>(blockDim.x) / tpr : rows;
+  // Candidate lists after a pass's keys: this many per row (a power of two).
+  const int cap = min(kWarpCandidates, (kTopkWarps * kWarpCandidates) / NextPow2(pass_rows));
+  for (int r0 = 0; r0 < rows; r0 += pass_rows) {
+    const int n_rows = min(pass_rows, rows - r0);
+    if (threshold) {
+      SelectRowsThreshold(s, scores, row_begin + r0, n_rows, n, tpr, keys, s_count, cap, stamps);
+    } else {
+      LoadKeysShared(s, scores, row_begin + r0, n_rows, n, keys);
+      Stamp(stamps, kTimelineLoaded);
+    }
+    // Rows the threshold pass did not finish (all of them after LoadKeysShared).
+    __syncthreads();
+    SelectFromSharedKeys(s, row_begin + r0, n_rows, n, keys, threshold ? s_count : nullptr, cap);
+    Stamp(stamps, kTimelineShared);
+  }
+  WritePageTables(s, row_begin, rows, pt);
+  Stamp(stamps, kTimelineEnd);
 }
 
 }  // namespace indexer::kernels::cuda

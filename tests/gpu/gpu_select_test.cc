@@ -1,6 +1,7 @@
 // The CUDA selectors against the CPU reference (kernels/cpu_reference.h) on fresh random inputs
 // every run: odd shapes, ragged batches of 1 to 733 spans, lengths from 1 to 262144 with partial
-// pages, ties, NaN, forced blocks, n > 1, prefill chunks, bf16 and fp8, head_dim 64/128/256.
+// pages, ties, NaN, forced blocks, n > 1, prefill chunks, bf16 and fp8, head_dim 64/128/256, and
+// each top-k path (whole-row sorts, warp thresholds, the threshold pass and its fallback).
 // Outputs are poisoned before each launch. Skips (with a message) where no GPU is usable.
 #include <gtest/gtest.h>
 
@@ -111,7 +112,7 @@ class GpuSelectTest : public ::testing::Test {
     }
     int sms = 0;
     CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const kernels::cuda::SelectBatch batch = kernels::cuda::PlanSelectBatch(spans, paths, sms, d);
+    const kernels::cuda::SelectBatch batch = kernels::cuda::PlanSelectBatch(spans, paths, sms, d, c.storage);
     upload(descs, batch.descs.data(), batch.descs.size() * sizeof(SpanDesc));
     ASSERT_TRUE(scores.Allocate(batch.ScoreFloats() * 4).ok());
     ASSERT_TRUE(counters.Allocate(std::max<size_t>(batch.n_decode, 1) * 4).ok());
@@ -299,6 +300,31 @@ TEST_F(GpuSelectTest, PrefillChunks) {
   }
 }
 
+// Several rows of 512 to 1024 blocks take the decode selector's threshold pass (topk <= 32);
+// integer values tie often enough that some rows' candidate lists overflow and fall back to the
+// shared-memory selection.
+TEST_F(GpuSelectTest, ThresholdPassLongRowsAndTies) {
+  for (Values v : {Values::kIntegers, Values::kReal}) {
+    PoolCase c;
+    c.values = v;
+    for (int i = 0; i < 4; ++i) {
+      SpanCase s;
+      s.length = 65537 + static_cast<int64_t>(rng_() % 65536);
+      s.num_tokens = 1 + static_cast<int>(rng_() % 2);
+      s.num_heads = 1 + static_cast<int>(rng_() % 8);
+      if (s.num_tokens * s.num_heads < 2) s.num_heads = 2;
+      const int topks[] = {1, 5, 16, 32};
+      s.params.topk = topks[rng_() % 4];
+      s.params.init_blocks = static_cast<int>(rng_() % 3);
+      s.params.local_blocks = static_cast<int>(rng_() % 3);
+      s.attn = (rng_() % 2) == 0;
+      c.spans.push_back(s);
+    }
+    Run(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
 TEST_F(GpuSelectTest, PrefillPathOnDecodeShapes) {
   PoolCase c;
   c.values = Values::kIntegers;
@@ -331,7 +357,8 @@ TEST_F(GpuSelectTest, SanitizerSmall) {
     PoolCase c;
     c.storage = st;
     c.values = Values::kIntegers;
-    for (int64_t len : {1, 130, 700}) {
+    // 65600 tokens: two rows of 513 blocks, the decode selector's threshold pass.
+    for (int64_t len : {1, 130, 700, 65600}) {
       SpanCase s;
       s.length = len;
       s.num_heads = 2;

@@ -1,0 +1,81 @@
+// The CUDA selectors' launch planners (kernels/cuda/span_desc.h), plain C++: every visible block
+// of every span belongs to exactly one decode work unit, units stay within the cap, and a long
+// span spreads over the GPU next to short ones. Runs without a GPU.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "kernels/cuda/span_desc.h"
+
+namespace indexer::testing {
+namespace {
+
+using kernels::KeyStorage;
+using kernels::cuda::DecodeChunkBlocks;
+using kernels::cuda::DecodePlan;
+using kernels::cuda::PlanDecode;
+using kernels::cuda::SpanDesc;
+
+TEST(DecodeChunkBlocksTest, HalfAMegabyteOfKeysPerCta) {
+  EXPECT_EQ(16, DecodeChunkBlocks(128, KeyStorage::kBf16));  // 16 x 32 KB pages
+  EXPECT_EQ(32, DecodeChunkBlocks(128, KeyStorage::kFp8E4M3));
+  EXPECT_EQ(32, DecodeChunkBlocks(64, KeyStorage::kBf16));
+  EXPECT_EQ(8, DecodeChunkBlocks(256, KeyStorage::kBf16));
+  EXPECT_EQ(64, DecodeChunkBlocks(64, KeyStorage::kFp8E4M3));
+}
+
+// Checks the plan's invariants for `spans` (already planned).
+void ExpectCovering(const std::vector<SpanDesc>& spans, const DecodePlan& plan, int cap) {
+  std::vector<int> owner(plan.total_units, -1);
+  int64_t scores = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const SpanDesc& s = spans[i];
+    const int64_t last = s.start_pos + s.num_tokens - 1;
+    EXPECT_EQ(last / 128 + 1, s.visible_blocks);
+    EXPECT_LE(s.chunk_blocks, cap);
+    EXPECT_EQ(s.score_offset, scores);
+    scores += int64_t{s.Rows()} * s.visible_blocks;
+    // Units [unit_begin, unit_begin + block_chunks) cover blocks [0, visible) exactly once.
+    EXPECT_GE(int64_t{s.block_chunks} * s.chunk_blocks, s.visible_blocks);
+    EXPECT_LT(int64_t{s.block_chunks - 1} * s.chunk_blocks, s.visible_blocks);
+    for (int u = s.unit_begin; u < s.unit_begin + s.block_chunks; ++u) {
+      ASSERT_GE(u, 0);
+      ASSERT_LT(u, plan.total_units);
+      EXPECT_EQ(-1, owner[u]) << "unit " << u << " planned twice";
+      owner[u] = static_cast<int>(i);
+    }
+  }
+  for (int u = 0; u < plan.total_units; ++u) EXPECT_NE(-1, owner[u]) << "unit " << u << " unowned";
+  EXPECT_EQ(scores, plan.score_floats);
+}
+
+TEST(PlanDecodeTest, EveryBlockInExactlyOneUnit) {
+  std::mt19937_64 rng(std::random_device{}());
+  for (int round = 0; round < 50; ++round) {
+    std::vector<SpanDesc> spans(1 + rng() % 300);
+    for (SpanDesc& s : spans) {
+      s.num_tokens = 1 + static_cast<int>(rng() % 4);
+      s.num_heads = 1 + static_cast<int>(rng() % 8);
+      s.start_pos = static_cast<int64_t>(rng() % 300000);
+    }
+    const int cap = 1 + static_cast<int>(rng() % 64);
+    const DecodePlan plan = PlanDecode(spans, 132, cap);
+    ExpectCovering(spans, plan, cap);
+    if (HasFailure()) return;
+  }
+}
+
+TEST(PlanDecodeTest, OneLongSpanSpreadsOverTheGpu) {
+  std::vector<SpanDesc> spans(3);
+  spans[1].start_pos = 131071;  // 1024 blocks next to two 1-block spans
+  const DecodePlan plan = PlanDecode(spans, 132, DecodeChunkBlocks(128, KeyStorage::kBf16));
+  ExpectCovering(spans, plan, 16);
+  // Two CTAs per multiprocessor: the long span's 1024 blocks take 4 blocks per CTA, 256 CTAs.
+  EXPECT_EQ(4, spans[1].chunk_blocks);
+  EXPECT_EQ(256, spans[1].block_chunks);
+  EXPECT_EQ(1, spans[0].block_chunks);
+}
+
+}  // namespace
+}  // namespace indexer::testing

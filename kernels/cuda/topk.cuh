@@ -191,9 +191,8 @@ __device__ __forceinline__ bool WarpTopK(const uint64_t* row, int n, int kk, uin
 // Copies spans[span] into `out` (shared memory, sizeof(SpanDesc) bytes, 16-byte aligned), one
 // word per lane in one round trip. Called by all 32 lanes of one warp; visible to the CTA after
 // a barrier. The top-k reads many fields one after another, some only after a decision on
-// others; from global memory each is an L2 round trip (the decode selector's acquire of its
-// counter invalidates L1 first: CCTL.IVALL in its SASS), 0.3 to 0.4 µs of the last CTA's time
-// on the H200 timeline.
+// others; from global memory each was an L2 round trip (the SASS showed the decode selector's
+// fence invalidating L1 first, CCTL.IVALL), 0.3 to 0.4 µs of the last CTA's time on the H200.
 __device__ __forceinline__ const SpanDesc& CopySpanDesc(const SpanDesc* spans, int span, unsigned char* out) {
   static_assert(sizeof(SpanDesc) % 4 == 0 && sizeof(SpanDesc) / 4 <= 32, "one word per lane");
   const int lane = threadIdx.x & 31;

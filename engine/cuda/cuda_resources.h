@@ -15,31 +15,46 @@
 
 namespace indexer::engine {
 
-// Owns a cudaMalloc'ed (never managed) allocation.
-class DeviceBuffer {
+// The two kinds of memory a CudaMemory owns: device memory from cudaMalloc (never managed) and
+// page-locked host memory from cudaMallocHost, for fast asynchronous copies.
+struct DeviceMemoryKind {
+  static cudaError_t Alloc(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+  static void Free(void* p) { (void)cudaFree(p); }
+  static constexpr const char* kAllocName = "cudaMalloc";
+};
+struct PinnedMemoryKind {
+  static cudaError_t Alloc(void** p, size_t bytes) { return cudaMallocHost(p, bytes); }
+  static void Free(void* p) { (void)cudaFreeHost(p); }
+  static constexpr const char* kAllocName = "cudaMallocHost";
+};
+
+// Owns one allocation of `Kind`; movable, not copyable.
+template <typename Kind>
+class CudaMemory {
  public:
-  DeviceBuffer() = default;
-  ~DeviceBuffer() { Reset(); }
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(o.bytes_) {}
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+  CudaMemory() = default;
+  ~CudaMemory() { Reset(); }
+  CudaMemory(CudaMemory&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  CudaMemory& operator=(CudaMemory&& o) noexcept {
     if (this != &o) {
       Reset();
       ptr_ = std::exchange(o.ptr_, nullptr);
-      bytes_ = o.bytes_;
+      bytes_ = std::exchange(o.bytes_, 0);
     }
     return *this;
   }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  CudaMemory(const CudaMemory&) = delete;
+  CudaMemory& operator=(const CudaMemory&) = delete;
 
+  // Exactly `bytes` (the old contents are freed first; 0 leaves it empty).
   absl::Status Allocate(size_t bytes) {
     Reset();
     if (bytes == 0) return absl::OkStatus();
     void* p = nullptr;
-    const cudaError_t err = cudaMalloc(&p, bytes);
+    const cudaError_t err = Kind::Alloc(&p, bytes);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();  // clear the (non-sticky) allocation error
-      return CudaStatus(err, "cudaMalloc");
+      return CudaStatus(err, Kind::kAllocName);
     }
     ptr_ = p;
     bytes_ = bytes;
@@ -51,7 +66,7 @@ class DeviceBuffer {
     return Allocate(bytes + bytes / 2);
   }
   void Reset() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
+    if (ptr_ != nullptr) Kind::Free(ptr_);
     ptr_ = nullptr;
     bytes_ = 0;
   }
@@ -64,41 +79,8 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
-// Owns page-locked host memory for fast, asynchronous copies.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  ~PinnedBuffer() { Reset(); }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-
-  absl::Status Reserve(size_t bytes) {
-    if (bytes <= bytes_) return absl::OkStatus();
-    Reset();
-    const size_t want = bytes + bytes / 2;
-    void* p = nullptr;
-    const cudaError_t err = cudaMallocHost(&p, want);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return CudaStatus(err, "cudaMallocHost");
-    }
-    ptr_ = p;
-    bytes_ = want;
-    return absl::OkStatus();
-  }
-  void Reset() {
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-    ptr_ = nullptr;
-    bytes_ = 0;
-  }
-  template <typename T = void>
-  T* get() const { return static_cast<T*>(ptr_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
+using DeviceBuffer = CudaMemory<DeviceMemoryKind>;
+using PinnedBuffer = CudaMemory<PinnedMemoryKind>;
 
 // Owns a non-blocking stream.
 class CudaStream {

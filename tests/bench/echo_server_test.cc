@@ -14,7 +14,6 @@
 #include <cstring>
 #include <memory>
 #include <optional>
-#include <regex>
 #include <string>
 #include <vector>
 
@@ -31,6 +30,7 @@ using ::testing::HasSubstr;
 
 using indexer::testing::Child;
 using indexer::testing::ReadFile;
+using indexer::testing::WaitForServingPort;
 using indexer::testing::RunToEnd;
 
 std::vector<int32_t> Ints(const std::string& bytes) {
@@ -51,13 +51,7 @@ class EchoServerTest : public ::testing::Test {
         binary, "--listen=127.0.0.1:0", absl::StrCat("--head_dim=", kHeadDim),
         absl::StrCat("--layers=", kLayers), "--topk=8"});
     ASSERT_GT(server_->pid(), 0);
-    const std::regex port_re(R"(serving on port (\d+))");
-    for (int i = 0; i < 500 && port_ == 0; ++i) {
-      std::smatch m;
-      const std::string text = server_->Log();
-      if (std::regex_search(text, m, port_re)) port_ = std::stoi(m[1]);
-      if (port_ == 0) absl::SleepFor(absl::Milliseconds(10));
-    }
+    port_ = WaitForServingPort(*server_, absl::Seconds(5)).value_or(0);
     ASSERT_GT(port_, 0) << server_->Log();
     absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
         client::IndexerClient::Connect(absl::StrCat("127.0.0.1:", port_));

@@ -145,15 +145,7 @@ class GpuSelectTest : public ::testing::Test {
   }
 
   SpanCase RandomSpan(int64_t max_len, int max_n, int max_rows) {
-    SpanCase s;
-    s.length = 1 + static_cast<int64_t>(rng_() % max_len);
-    s.num_tokens = 1 + static_cast<int>(rng_() % std::min<int64_t>(max_n, s.length));
-    s.num_heads = 1 + static_cast<int>(rng_() % std::max(1, max_rows / s.num_tokens));
-    s.params.topk = 1 + static_cast<int>(rng_() % 64);
-    s.params.init_blocks = static_cast<int>(rng_() % 3);
-    s.params.local_blocks = static_cast<int>(rng_() % 3);
-    s.attn = (rng_() % 2) == 0;
-    return s;
+    return ::indexer::testing::RandomSpan(rng_, max_len, max_n, max_rows);
   }
 
   uint64_t seed_ = 0;

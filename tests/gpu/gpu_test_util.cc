@@ -23,6 +23,18 @@ uint16_t RandomValue(Values v, std::mt19937_64& rng) {
 
 }  // namespace
 
+SpanCase RandomSpan(std::mt19937_64& rng, int64_t max_len, int max_n, int max_rows) {
+  SpanCase s;
+  s.length = 1 + static_cast<int64_t>(rng() % max_len);
+  s.num_tokens = 1 + static_cast<int>(rng() % std::min<int64_t>(max_n, s.length));
+  s.num_heads = 1 + static_cast<int>(rng() % std::max(1, max_rows / s.num_tokens));
+  s.params.topk = 1 + static_cast<int>(rng() % 64);
+  s.params.init_blocks = static_cast<int>(rng() % 3);
+  s.params.local_blocks = static_cast<int>(rng() % 3);
+  s.attn = (rng() % 2) == 0;
+  return s;
+}
+
 void BuildCase(PoolCase& c, std::mt19937_64& rng) {
   const int d = c.head_dim;
   int64_t blocks = 0;

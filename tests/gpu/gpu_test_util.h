@@ -45,6 +45,10 @@ struct PoolCase {
   float max_abs_key = 0.0f;   // over the keys written (not the garbage past sequence ends)
 };
 
+// A span of 1 to max_len tokens with 1 to max_n query tokens, heads up to max_rows rows in all,
+// random topk (1 to 64), forced blocks and page-table request.
+SpanCase RandomSpan(std::mt19937_64& rng, int64_t max_len, int max_n, int max_rows);
+
 // Fills block tables (a random permutation of the pool), keys, queries and attention pages, and
 // runs the reference. `rng` is seeded by the caller (printed on failure).
 void BuildCase(PoolCase& c, std::mt19937_64& rng);

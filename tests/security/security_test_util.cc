@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -234,21 +233,12 @@ std::unique_ptr<Child> StartServerBinary(const std::vector<std::string>& flags, 
   std::vector<std::string> argv = {binary, "--listen=127.0.0.1:0", "--device=cpu"};
   argv.insert(argv.end(), flags.begin(), flags.end());
   auto child = std::make_unique<Child>(argv);
-  const std::regex serving("serving on port ([0-9]+)");
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  std::smatch m;
-  std::string log;
-  while (absl::Now() < deadline) {
-    log = child->Log();
-    if (std::regex_search(log, m, serving)) break;
-    if (child->Wait(absl::ZeroDuration())) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  if (m.empty()) {
-    ADD_FAILURE() << "indexer-server did not start; its output:\n" << log;
+  const std::optional<int> serving = WaitForServingPort(*child, absl::Seconds(20));
+  if (!serving.has_value()) {
+    ADD_FAILURE() << "indexer-server did not start; its output:\n" << child->Log();
     return nullptr;
   }
-  *port = std::stoi(m[1]);
+  *port = *serving;
   return child;
 }
 

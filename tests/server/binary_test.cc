@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
-#include <regex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -33,6 +32,7 @@ std::string BinaryPath(const char* variable) {
 using ::indexer::testing::Child;
 using ::indexer::testing::RunResult;
 using ::indexer::testing::RunToEnd;
+using ::indexer::testing::WaitForServingPort;
 
 class BinaryTest : public ::testing::Test {
  protected:
@@ -48,21 +48,12 @@ class BinaryTest : public ::testing::Test {
     std::vector<std::string> argv = {server_, "--listen=127.0.0.1:0", "--device=cpu"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     auto child = std::make_unique<Child>(argv);
-    const std::regex serving("serving on port ([0-9]+)");
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    std::smatch m;
-    std::string log;
-    while (absl::Now() < deadline) {
-      log = child->Log();
-      if (std::regex_search(log, m, serving)) break;
-      if (child->Wait(absl::ZeroDuration())) break;
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    if (m.empty()) {
-      ADD_FAILURE() << "indexer-server did not start; its output:\n" << log;
+    const std::optional<int> serving = WaitForServingPort(*child, absl::Seconds(20));
+    if (!serving.has_value()) {
+      ADD_FAILURE() << "indexer-server did not start; its output:\n" << child->Log();
       return nullptr;
     }
-    *port = std::stoi(m[1]);
+    *port = *serving;
     return child;
   }
 

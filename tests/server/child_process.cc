@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <regex>
 #include <sstream>
 
 #include "absl/time/clock.h"
@@ -71,6 +72,18 @@ std::optional<int> Child::Wait(absl::Duration timeout) {
 }
 
 std::string Child::Log() const { return ReadFile(log_path_); }
+
+std::optional<int> WaitForServingPort(Child& child, absl::Duration timeout) {
+  const std::regex serving("serving on port ([0-9]+)");
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const std::string log = child.Log();
+    std::smatch m;
+    if (std::regex_search(log, m, serving)) return std::stoi(m[1]);
+    if (child.Wait(absl::ZeroDuration()) || absl::Now() >= deadline) return std::nullopt;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
 
 RunResult RunToEnd(const std::vector<std::string>& argv, const std::vector<std::string>& env) {
   Child child(argv, env);

@@ -35,6 +35,11 @@ class Child {
   std::optional<int> status_;
 };
 
+// The port a server child (indexer-server or indexer-echo-server started with
+// --listen=127.0.0.1:0) prints in its "serving on port N" line, once it does within `timeout`;
+// nullopt if it exits or times out first (its Log() says why).
+std::optional<int> WaitForServingPort(Child& child, absl::Duration timeout);
+
 // Runs a binary to its end (at most a minute): exit code (-1000 if it did not end) and output.
 struct RunResult {
   int code = -1;

@@ -292,19 +292,28 @@ TEST_F(GpuSelectTest, PrefillChunks) {
   }
 }
 
-// Several rows of 512 to 1024 blocks take the decode selector's threshold pass (topk <= 32);
-// integer values tie often enough that some rows' candidate lists overflow and fall back to the
-// shared-memory selection.
+// Several rows of 257 to 1024 visible blocks (n = 512 or 1024) take the decode selector's
+// threshold pass (topk <= 32): two warps per row for up to four rows, one warp per row and several
+// passes for more, speculative tokens whose rows end in different blocks. Integer values tie
+// often enough that some rows' candidate lists overflow and fall back to the shared-memory
+// selection.
 TEST_F(GpuSelectTest, ThresholdPassLongRowsAndTies) {
   for (Values v : {Values::kIntegers, Values::kReal}) {
     PoolCase c;
     c.values = v;
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 8; ++i) {
       SpanCase s;
-      s.length = 65537 + static_cast<int64_t>(rng_() % 65536);
-      s.num_tokens = 1 + static_cast<int>(rng_() % 2);
-      s.num_heads = 1 + static_cast<int>(rng_() % 8);
+      const int64_t base = (i % 2) == 0 ? 32768 : 65536;  // n = 512, then n = 1024
+      s.length = base + 1 + static_cast<int64_t>(rng_() % base);
+      s.num_tokens = 1 + static_cast<int>(rng_() % 8);
+      s.num_heads = 1 + static_cast<int>(rng_() % std::max(1, 32 / s.num_tokens));
       if (s.num_tokens * s.num_heads < 2) s.num_heads = 2;
+      if (i == 2) {
+        // Tokens on both sides of a block boundary: their rows see different block counts.
+        s.length = 128 * (300 + static_cast<int64_t>(rng_() % 100)) + 2;
+        s.num_tokens = 6;
+        s.num_heads = 4;
+      }
       const int topks[] = {1, 5, 16, 32};
       s.params.topk = topks[rng_() % 4];
       s.params.init_blocks = static_cast<int>(rng_() % 3);
@@ -349,11 +358,12 @@ TEST_F(GpuSelectTest, SanitizerSmall) {
     PoolCase c;
     c.storage = st;
     c.values = Values::kIntegers;
-    // 65600 tokens: two rows of 513 blocks, the decode selector's threshold pass.
-    for (int64_t len : {1, 130, 700, 65600}) {
+    // 65600 tokens: two rows of 513 blocks, the decode selector's threshold pass with two warps
+    // per row; 40000 tokens with 6 heads: one warp per row.
+    for (int64_t len : {1, 130, 700, 65600, 40000}) {
       SpanCase s;
       s.length = len;
-      s.num_heads = 2;
+      s.num_heads = len == 40000 ? 6 : 2;
       s.attn = true;
       c.spans.push_back(s);
     }

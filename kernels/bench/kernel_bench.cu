@@ -196,10 +196,11 @@ struct Workload {
   }
 };
 
-// One eager run after an L2 flush with the kernel's timeline stamps: µs from the first CTA's start
-// to each phase (the median of 21 runs per phase; the last span to finish sets the top-k phases).
+// 21 eager runs, each after an L2 flush (whatever --flush says), with the kernel's timeline stamps:
+// µs from the first CTA's start to each phase, the median per phase (the last span to finish
+// sets the top-k phases). One table line.
 std::string TimelineLine(Workload& w, const kc::DecodePlan& plan, KeyStorage st,
-                   const indexer::kernels::PageTableParams& pt, Timer& timer, cudaStream_t stream) {
+                         const indexer::kernels::PageTableParams& pt, Timer& timer, cudaStream_t stream) {
   unsigned long long* d = nullptr;
   CHECK_CUDA(cudaMalloc(&d, kc::kDecodeTimelineSlots * sizeof(unsigned long long)));
   std::vector<std::vector<double>> at(kc::kDecodeTimelineSlots);
@@ -213,7 +214,7 @@ std::string TimelineLine(Workload& w, const kc::DecodePlan& plan, KeyStorage st,
     CHECK_CUDA(cudaMemcpyAsync(h, d, sizeof(h), cudaMemcpyDeviceToHost, stream));
     CHECK_CUDA(cudaStreamSynchronize(stream));
     for (int i = 1; i < kc::kDecodeTimelineSlots; ++i) {
-      // 0: the phase did not run (say, no register pass).
+      // 0: the phase did not run (say, no threshold pass).
       if (h[i] != 0) at[i].push_back(static_cast<double>(h[i] - h[0]) * 1e-3);
     }
   }

@@ -10,7 +10,11 @@
 //   cpa     : cp.async 16-byte copies of whole pages into 3 shared-memory stages; destination
 //             straight, XOR-swizzled in 16-byte chunks, or straight but 16 bytes off a 32-byte
 //             boundary (what a 16-byte static shared variable did to the selector)
-//   bulk    : one cp.async.bulk (TMA) copy per page into 4 stages, on mbarriers
+//   units   : the decode selector's work-unit shapes on that pipeline (16 pages per CTA): as is,
+//             with three dependent loads before the first copy (its span search, descriptor and
+//             page ids), and "flowing" (resident CTAs only, the ring never drained between units)
+//   bulk    : one cp.async.bulk (TMA) copy per page into 4 stages, on mbarriers; with an L2
+//             evict-first policy; and one 256-byte copy per key row into padded rows
 // Timing as kernel_bench: L2 flushed (256 MB memset) before each run, CUDA events, median of 15.
 //
 //   indexer-stream-probe PAGES[/POOL_PAGES]...   (default 262144: 8.6 GB, the B=256 L=128K case)
@@ -138,14 +142,67 @@ __global__ void __launch_bounds__(kThreads)
   if (acc == 0x12345678u) out[blockIdx.x] = acc;
 }
 
+// The decode selector's work-unit shapes on the cp.async pipeline (3 stages, XOR-swizzled):
+//   kPrologue: before a unit's first copy, three dependent loads through L2 (what the selector's
+//              span search, span descriptor and page ids cost it);
+//   kFlow:     grid of resident CTAs only, each walking its units (blockIdx.x + k gridDim.x) as one
+//              stream of pages, the ring never drained between units, the next unit's page ids
+//              read while the current one streams.
+template <bool kPrologue, bool kFlow>
+__global__ void __launch_bounds__(kThreads)
+    CpaUnits(const char* keys, const int* pages, int num_pages, int chunk, uint32_t* out) {
+  constexpr int S = 3;
+  extern __shared__ uint4 sm[];
+  uint32_t acc = 0;
+  // Page j of this CTA's stream, or -1 past its end.
+  const auto page_of = [&](int j) -> int {
+    const int unit = kFlow ? blockIdx.x + (j / chunk) * gridDim.x : blockIdx.x;
+    const int b = unit * chunk + j % chunk;
+    if (!kFlow && j >= chunk) return -1;
+    return b < min(unit * chunk + chunk, num_pages) ? b : -1;
+  };
+  if constexpr (kPrologue) {
+    int v = __ldcg(pages + blockIdx.x * chunk % num_pages);
+    v = __ldcg(pages + (v & 1023) % num_pages);
+    v = __ldcg(pages + ((v & 1023) + 1) % num_pages);
+    acc += static_cast<uint32_t>(v);
+  }
+  const auto issue = [&](int j) {
+    const int b = page_of(j);
+    if (b >= 0) {
+      const char* src = keys + int64_t{pages[b]} * kPageBytes;
+      char* dst = reinterpret_cast<char*>(sm) + (j % S) * kPageBytes;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        CpAsync16(dst + DstChunk<1>(i * 256 + threadIdx.x) * 16, src + i * 4096 + threadIdx.x * 16);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n");
+  };
+  for (int s = 0; s < S - 1; ++s) issue(s);
+  for (int j = 0; page_of(j) >= 0; ++j) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
+    __syncthreads();
+    issue(j + S - 1);
+    const uint4* src = sm + (j % S) * (kPageBytes / 16);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc += Fold(src[i * 256 + threadIdx.x]);
+  }
+  asm volatile("cp.async.wait_group 0;\n");
+  if (acc == 0x12345678u) out[blockIdx.x] = acc;
+}
+
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Bulk-copy (TMA) pipeline: one 32 KB cp.async.bulk per page, S stages.
-template <int S>
+// Bulk-copy (TMA) pipeline, S stages on mbarriers: one 32 KB cp.async.bulk per page, or (kRows)
+// one 256-byte copy per key row into rows padded to 272 bytes (the layout ldmatrix reads without
+// bank conflicts), issued by the 32 lanes of warp 0; kEvictFirst adds an L2 evict-first policy.
+template <int S, bool kRows, bool kEvictFirst>
 __global__ void __launch_bounds__(kThreads)
     BulkStream(const char* keys, const int* pages, int num_pages, int chunk, uint32_t* out) {
+  constexpr int kStageBytes = kRows ? 128 * 272 : kPageBytes;
   extern __shared__ uint4 sm[];
   __shared__ __align__(8) uint64_t full[S];
   if (threadIdx.x == 0) {
@@ -155,24 +212,47 @@ __global__ void __launch_bounds__(kThreads)
     asm volatile("fence.mbarrier_init.release.cluster;\n");
   }
   __syncthreads();
+  const uint64_t policy = 0x12F0000000000000ull;  // evict_first, whole cache
   uint32_t acc = 0;
   uint32_t phase_bits = 0;  // bit s: parity to wait for on stage s
   int seq = 0;              // pages issued so far by this CTA (stage = seq % S)
   int consumed = 0;
+  const auto copy = [&](uint32_t dst, const char* src, int bytes, uint32_t bar) {
+    if constexpr (kEvictFirst) {
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+          "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+          : "memory");
+    } else {
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+          "l"(src), "r"(bytes), "r"(bar)
+          : "memory");
+    }
+  };
   for (int unit = blockIdx.x; unit * chunk < num_pages; unit += gridDim.x) {
     const int b0 = unit * chunk, b1 = min(b0 + chunk, num_pages);
     const auto issue = [&](int b) {
       if (b >= b1) return;
       const int s = seq % S;
       ++seq;
-      if (threadIdx.x == 0) {
-        const uint32_t bar = SmemAddr(&full[s]);
+      const uint32_t bar = SmemAddr(&full[s]);
+      const uint32_t dst = SmemAddr(reinterpret_cast<char*>(sm) + s * kStageBytes);
+      const char* src = keys + int64_t{pages[b]} * kPageBytes;
+      if constexpr (kRows) {
+        if (threadIdx.x < 32) {
+          if (threadIdx.x == 0) {
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kPageBytes));
+          }
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int row = threadIdx.x + 32 * i;
+            copy(dst + row * 272, src + row * 256, 256, bar);
+          }
+        }
+      } else if (threadIdx.x == 0) {
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kPageBytes));
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                SmemAddr(reinterpret_cast<char*>(sm) + s * kPageBytes)),
-            "l"(keys + int64_t{pages[b]} * kPageBytes), "r"(kPageBytes), "r"(bar)
-            : "memory");
+        copy(dst, src, kPageBytes, bar);
       }
     };
     for (int s = 0; s < S - 1; ++s) issue(b0 + s);
@@ -187,9 +267,13 @@ __global__ void __launch_bounds__(kThreads)
           "r"(parity)
           : "memory");
       phase_bits ^= 1u << s;
-      const uint4* src = sm + s * (kPageBytes / 16);
+      const char* stage = reinterpret_cast<const char*>(sm) + s * kStageBytes;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc += Fold(src[i * 256 + threadIdx.x]);
+      for (int i = 0; i < 8; ++i) {
+        const int c = i * 256 + threadIdx.x;  // 16-byte chunk of the page
+        const int at = kRows ? (c >> 4) * 272 + (c & 15) * 16 : c * 16;
+        acc += Fold(*reinterpret_cast<const uint4*>(stage + at));
+      }
       __syncthreads();  // stage s free before it is refilled
     }
   }
@@ -301,7 +385,15 @@ int main(int argc, char** argv) {
     Report(r, "cpa 3 stages straight", CpaStream<3, 0, 0>, 32, 3 * kPageBytes, false, num_sms);
     Report(r, "cpa 3 stages xor16", CpaStream<3, 1, 0>, 32, 3 * kPageBytes, false, num_sms);
     Report(r, "cpa 3 stages 16 B off", CpaStream<3, 0, 16>, 32, 3 * kPageBytes + 16, false, num_sms);
-    Report(r, "bulk 4 stages", BulkStream<4>, 32, 4 * kPageBytes, false, num_sms);
+    Report(r, "cpa 3 stages xor16", CpaStream<3, 1, 0>, 16, 3 * kPageBytes, false, num_sms);
+    Report(r, "cpa units", CpaUnits<false, false>, 16, 3 * kPageBytes, false, num_sms);
+    Report(r, "cpa units + 3-load prologue", CpaUnits<true, false>, 16, 3 * kPageBytes, false, num_sms);
+    Report(r, "cpa units flowing", CpaUnits<false, true>, 16, 3 * kPageBytes, true, num_sms);
+    Report(r, "cpa units flowing", CpaUnits<false, true>, 4, 3 * kPageBytes, true, num_sms);
+    Report(r, "bulk 4 stages", BulkStream<4, false, false>, 32, 4 * kPageBytes, false, num_sms);
+    Report(r, "bulk 4 stages evict-first", BulkStream<4, false, true>, 32, 4 * kPageBytes, false, num_sms);
+    Report(r, "bulk rows 3 stages", BulkStream<3, true, false>, 16, 3 * 128 * 272, false, num_sms);
+    Report(r, "bulk rows 3 stages evict-first", BulkStream<3, true, true>, 16, 3 * 128 * 272, false, num_sms);
     CHECK_CUDA(cudaFree(keys));
     CHECK_CUDA(cudaFree(pages));
   }

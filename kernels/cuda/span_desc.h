@@ -105,6 +105,23 @@ INDEXER_HD int32_t NextPow2(int32_t v) {
   return p;
 }
 
+// x / d for 0 <= x < 2^31 and 1 <= d < 2^31, exactly, with one multiply-high and one
+// correction: magic = floor((2^32 - 1) / d) gives a quotient at most one short. The top-k kernels
+// divide a row index by the span's head count for every key they load, and a hardware-less
+// integer division there was most of the time of short passes (docs/PERF.md).
+struct RowDivider {
+  uint32_t d = 1;
+  uint32_t magic = 0xffffffffu;
+  INDEXER_HD explicit RowDivider(int divisor)
+      : d(static_cast<uint32_t>(divisor)), magic(0xffffffffu / static_cast<uint32_t>(divisor)) {}
+  INDEXER_HD int operator()(int x) const {
+    const uint32_t u = static_cast<uint32_t>(x);
+    uint32_t q = static_cast<uint32_t>((uint64_t{u} * magic) >> 32);
+    if ((q + 1) * d <= u) ++q;
+    return static_cast<int>(q);
+  }
+};
+
 // Rows sorted together by one top-k CTA for spans whose last token sees `visible_blocks`.
 INDEXER_HD int TopkRowsPerGroup(int32_t visible_blocks) {
   const int n = NextPow2(visible_blocks > 1 ? visible_blocks : 1);
@@ -113,8 +130,8 @@ INDEXER_HD int TopkRowsPerGroup(int32_t visible_blocks) {
 
 // The decode kernel's timeline slots (the kernel benchmark's --timeline; DecodeParams): the first
 // CTA starts, the last CTA ends its streaming, the last CTA of a span knows it is last, then the
-// phases of that CTA's top-k (topk.cuh): keys loaded, thresholds known, threshold pass done,
-// shared-memory selection done, end.
+// phases of that CTA's top-k (topk.cuh): keys loaded, thresholds known and candidates listed (by
+// the threshold pass, or by the first warp's WarpTopK), shared-memory selection done, end.
 enum DecodeTimelineSlot {
   kTimelineStart, kTimelineStreamed, kTimelineLast, kTimelineLoaded, kTimelineThreshold,
   kTimelineSelected, kTimelineShared, kTimelineEnd, kDecodeTimelineSlots

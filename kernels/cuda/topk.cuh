@@ -13,6 +13,11 @@ namespace indexer::kernels::cuda {
 // 2j (i / j) + i % j, without the division.
 __device__ __forceinline__ int PairLow(int i, int j) { return ((i & ~(j - 1)) << 1) | (i & (j - 1)); }
 
+// Thread 0 writes the time into `stamps[slot]` (DecodeTimelineSlot) when stamps is set.
+__device__ __forceinline__ void Stamp(unsigned long long* stamps, int slot) {
+  if (stamps != nullptr && threadIdx.x == 0) stamps[slot] = GlobalTimer();
+}
+
 // Sorts one key per lane across the warp in registers, descending by lane (lane 0 holds the
 // largest). Called by all 32 lanes.
 __device__ __forceinline__ uint64_t WarpSortLanesDesc(uint64_t x) {
@@ -30,6 +35,21 @@ __device__ __forceinline__ uint64_t WarpSortLanesDesc(uint64_t x) {
     }
   }
   return x;
+}
+
+// The rank of the lane's key in the warp, descending (0: the largest), ties to the lower lane:
+// the 32 ranks are a permutation of 0..31. Called by all 32 lanes. Independent shuffles, no
+// chain of dependent exchange stages like WarpSortLanesDesc's: selecting by rank is the cheaper
+// way to place a warp's keys in order.
+__device__ __forceinline__ int WarpRankDesc(uint64_t x) {
+  const int lane = threadIdx.x & 31;
+  int rank = 0;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const uint64_t y = __shfl_sync(0xffffffffu, x, j);
+    rank += (y > x || (y == x && j < lane)) ? 1 : 0;
+  }
+  return rank;
 }
 
 // Sorts `count` keys in shared memory, as independent runs of `run` (a power of two) keys each,
@@ -151,37 +171,52 @@ __device__ __forceinline__ void WarpSortDesc(uint64_t* keys, int n) {
   }
 }
 
-// One warp selects the top kk (<= 32) of the n keys at `row` (shared memory), into `out`
+// One warp selects the top kk (<= 32) of the n keys at `row` (shared memory), into out[0, kk)
 // (shared memory, kWarpCandidates keys) in descending order. A threshold first: the kk-th
 // largest of the 32 lanes' maxima is at most the row's kk-th largest key, so every key of the
 // top kk is at or above it, and usually few others are. Returns false (out unspecified) when
 // more than kWarpCandidates keys pass the threshold; the caller then sorts the whole row.
-__device__ __forceinline__ bool WarpTopK(const uint64_t* row, int n, int kk, uint64_t* out) {
+__device__ __forceinline__ bool WarpTopK(const uint64_t* row, int n, int kk, uint64_t* out,
+                                         unsigned long long* stamps = nullptr) {
   const int lane = threadIdx.x & 31;
   uint64_t mx = 0;
+#pragma unroll 4
   for (int i = lane; i < n; i += 32) mx = max(mx, row[i]);
-  mx = WarpSortLanesDesc(mx);
-  const uint64_t threshold = __shfl_sync(0xffffffffu, mx, kk - 1);
+  // The kk-th largest lane maximum: the lane whose maximum ranks kk - 1.
+  const unsigned at = __ballot_sync(0xffffffffu, WarpRankDesc(mx) == kk - 1);
+  const uint64_t threshold = __shfl_sync(0xffffffffu, mx, __ffs(at) - 1);
+  Stamp(stamps, kTimelineThreshold);
   int total = 0;
+#pragma unroll 4
   for (int base = 0; base < n; base += 32) {
     const int i = base + lane;
-    const bool pass = i < n && row[i] >= threshold;
+    const uint64_t key = i < n ? row[i] : 0;
+    const bool pass = i < n && key >= threshold;
     const unsigned mask = __ballot_sync(0xffffffffu, pass);
     const int slot = total + __popc(mask & ((1u << lane) - 1u));
-    if (pass && slot < kWarpCandidates) out[slot] = row[i];
+    if (pass && slot < kWarpCandidates) out[slot] = key;
     total += __popc(mask);
   }
+  Stamp(stamps, kTimelineSelected);
   if (total > kWarpCandidates) return false;
   __syncwarp();
-  if (total <= 32) {
-    // One candidate per lane: sorted in registers (the shared-memory sort below costs a
-    // few microseconds of dependent passes).
-    const uint64_t x = WarpSortLanesDesc(lane < total ? out[lane] : 0);
-    out[lane] = x;
+  if (total <= 64) {
+    // Up to two candidates per lane, placed by rank (the top kk only: the rest is unused).
+    const uint64_t c0 = lane < total ? out[lane] : 0;
+    const uint64_t c1 = lane + 32 < total ? out[lane + 32] : 0;
+    int r0 = 0, r1 = 0;
+    for (int j = 0; j < total; ++j) {
+      const uint64_t y = out[j];
+      r0 += (y > c0 || (y == c0 && j < lane)) ? 1 : 0;
+      r1 += (y > c1 || (y == c1 && j < lane + 32)) ? 1 : 0;
+    }
+    __syncwarp();
+    if (lane < total && r0 < kk) out[r0] = c0;
+    if (lane + 32 < total && r1 < kk) out[r1] = c1;
     __syncwarp();
     return true;
   }
-  const int padded = max(NextPow2(total), 2);
+  const int padded = NextPow2(total);
   for (int i = total + lane; i < padded; i += 32) out[i] = 0;
   __syncwarp();
   WarpSortDesc(out, padded);
@@ -202,10 +237,6 @@ __device__ __forceinline__ const SpanDesc& CopySpanDesc(const SpanDesc* spans, i
   return *reinterpret_cast<const SpanDesc*>(out);
 }
 
-// Thread 0 writes the time into `stamps[slot]` (DecodeTimelineSlot) when stamps is set.
-__device__ __forceinline__ void Stamp(unsigned long long* stamps, int slot) {
-  if (stamps != nullptr && threadIdx.x == 0) stamps[slot] = GlobalTimer();
-}
 
 // Rows [row_begin, row_begin + rows) of span `s` are selected in passes; both passes below leave
 // the rows' keys in shared memory at keys[(r << log2(n)) + b] (0 past the row's visible blocks, which
@@ -215,7 +246,8 @@ __device__ __forceinline__ void Stamp(unsigned long long* stamps, int slot) {
 // with `counts` set and counts[r] <= cap were selected already and are left alone. Rows whose
 // top-k a warp cannot find alone are sorted whole by the CTA afterwards. Called by every thread.
 __device__ __forceinline__ void SelectFromSharedKeys(const SpanDesc& s, int row_begin, int rows, int n,
-                                                     uint64_t* keys, const int* counts, int cap) {
+                                                     uint64_t* keys, const int* counts, int cap,
+                                                     unsigned long long* stamps = nullptr) {
   const int log_n = __ffs(n) - 1;
   const int count = rows << log_n;
   const int topk = s.topk;
@@ -234,18 +266,18 @@ __device__ __forceinline__ void SelectFromSharedKeys(const SpanDesc& s, int row_
     const int64_t v = pos / kBlockSize + 1;
     const uint64_t* sorted = nullptr;
     if (n <= 32) {
-      // The whole row fits a warp: sort it in registers and write the ids directly.
-      const uint64_t x = WarpSortLanesDesc(lane < n ? keys[(r << log_n) + lane] : 0);
-      for (int j = lane; j < topk; j += 32) {
-        s.block_ids[int64_t{row} * topk + j] = j < v && j < kk ? SelectionKeyBlock(x) : -1;
-      }
+      // The whole row fits a warp: each lane writes its key's id at the key's rank.
+      const uint64_t x = lane < n ? keys[(r << log_n) + lane] : 0;
+      const int rank = WarpRankDesc(x);
+      if (rank < topk) s.block_ids[int64_t{row} * topk + rank] = rank < v && rank < kk ? SelectionKeyBlock(x) : -1;
+      for (int j = 32 + lane; j < topk; j += 32) s.block_ids[int64_t{row} * topk + j] = -1;
     } else if (n <= 64 || (n <= kWarpCandidates && kk > 32)) {
       // Short rows: sort a copy of the whole row within the warp.
       for (int i = lane; i < max(n, 2); i += 32) candidates[i] = i < n ? keys[(r << log_n) + i] : 0;
       __syncwarp();
       WarpSortDesc(candidates, max(n, 2));
       sorted = candidates;
-    } else if (kk <= 32 && WarpTopK(keys + (r << log_n), n, kk, candidates)) {
+    } else if (kk <= 32 && WarpTopK(keys + (r << log_n), n, kk, candidates, stamps)) {
       sorted = candidates;
     } else if (lane == 0) {
       atomicOr(&s_need_full, 1);
@@ -272,6 +304,46 @@ __device__ __forceinline__ void SelectFromSharedKeys(const SpanDesc& s, int row_
   }
 }
 
+// LoadKeysShared's loads in batches of kBatch keys per thread, every load of a batch issued
+// before any is used (one at a time, the H200 timeline showed an L2 round trip per key: 7.7 µs for
+// four rows of 1024 blocks). Past the pass's keys a thread re-reads its last key.
+template <int kBatch>
+__device__ __forceinline__ void LoadKeyBatches(const SpanDesc& s, const float* scores, int row_begin, int log_n,
+                                               int count, uint64_t* keys) {
+  // The span's fields in registers; the row's visible blocks computed once per key, with a
+  // multiply for the division by the head count (the division dominated the pass's time).
+  const uint64_t start_pos = static_cast<uint64_t>(s.start_pos);
+  const RowDivider per_head(s.num_heads);
+  const int64_t score_offset = s.score_offset;
+  const int64_t visible = s.visible_blocks;
+  const int init_blocks = s.init_blocks;
+  const int local_blocks = s.local_blocks;
+  const int b_mask = (1 << log_n) - 1;
+  for (int base = threadIdx.x; base < count; base += kBatch * blockDim.x) {
+    float raw[kBatch];
+    int32_t row_v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int idx = min(base + u * static_cast<int>(blockDim.x), count - 1);
+      const int row = row_begin + (idx >> log_n);
+      const int b = idx & b_mask;
+      const int32_t v = static_cast<int32_t>((start_pos + static_cast<uint64_t>(per_head(row))) / kBlockSize) + 1;
+      row_v[u] = v;
+      // Branch-free, from a valid address either way (the span's first score).
+      raw[u] = __ldcg(scores + (b < v ? score_offset + int64_t{row} * visible + b : score_offset));
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int idx = base + u * static_cast<int>(blockDim.x);
+      if (idx < count) {
+        const int b = idx & b_mask;
+        // 0 is below every real key: padding sorts last.
+        keys[idx] = b < row_v[u] ? SelectionKey(ForcedScore(raw[u], b, row_v[u], init_blocks, local_blocks), b) : 0;
+      }
+    }
+  }
+}
+
 // Loads the keys of a pass of any row count and length into shared memory in index order, for
 // SelectFromSharedKeys. Called by every thread.
 __device__ __forceinline__ void LoadKeysShared(const SpanDesc& s, const float* scores, int row_begin,
@@ -279,44 +351,15 @@ __device__ __forceinline__ void LoadKeysShared(const SpanDesc& s, const float* s
   __syncthreads();  // callers may still be reading the shared memory `keys` reuses
   const int log_n = __ffs(n) - 1;
   const int count = rows << log_n;
-  // The span's fields in registers, and the score loads of a thread issued together, sixteen
-  // at a time: one at a time (the H200 timeline showed it) they cost an L2 round trip per key,
-  // 7.7 µs for four rows of 1024 blocks.
-  const int64_t start_pos = s.start_pos;
-  const int num_heads = s.num_heads;
-  const int64_t score_offset = s.score_offset;
-  const int64_t visible = s.visible_blocks;
-  const int init_blocks = s.init_blocks;
-  const int local_blocks = s.local_blocks;
-  constexpr int kBatch = 16;
-  const auto where = [&](int idx, int& b, int64_t& v) {
-    const int row = row_begin + (idx >> log_n);
-    b = idx & (n - 1);
-    v = (start_pos + row / num_heads) / kBlockSize + 1;
-    return score_offset + int64_t{row} * visible + b;
-  };
-  for (int base = threadIdx.x; base < count; base += kBatch * blockDim.x) {
-    float raw[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      // Branch-free, from a valid address either way (the span's first score), so that the
-      // loads are in flight together.
-      const int idx = base + u * blockDim.x;
-      int b = 0;
-      int64_t v = 0;
-      const int64_t at = where(min(idx, count - 1), b, v);
-      raw[u] = __ldcg(scores + (idx < count && b < v ? at : score_offset));
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int idx = base + u * blockDim.x;
-      if (idx >= count) break;
-      int b = 0;
-      int64_t v = 0;
-      (void)where(idx, b, v);
-      // 0 is below every real key: padding sorts last.
-      keys[idx] = b < v ? SelectionKey(ForcedScore(raw[u], b, v, init_blocks, local_blocks), b) : 0;
-    }
+  // Batches no longer than the pass: a thread's index arithmetic for keys past the pass was most
+  // of the time of short passes.
+  const int threads = static_cast<int>(blockDim.x);
+  if (count <= threads) {
+    LoadKeyBatches<1>(s, scores, row_begin, log_n, count, keys);
+  } else if (count <= 4 * threads) {
+    LoadKeyBatches<4>(s, scores, row_begin, log_n, count, keys);
+  } else {
+    LoadKeyBatches<16>(s, scores, row_begin, log_n, count, keys);
   }
 }
 
@@ -447,17 +490,20 @@ __device__ __forceinline__ void SelectRowsThreshold(const SpanDesc& s, const flo
     const int out_row = row_begin + rr;
     const int64_t out_v = (s.start_pos + out_row / s.num_heads) / kBlockSize + 1;
     uint64_t x;
+    int at;  // the output position of x
     if (total <= 32) {
-      x = WarpSortLanesDesc(lane < total ? list[lane] : 0);
+      x = lane < total ? list[lane] : 0;
+      at = WarpRankDesc(x);
     } else {
       const int padded = NextPow2(total);
       for (int i = total + lane; i < padded; i += 32) list[i] = 0;
       __syncwarp();
       WarpSortDesc(list, padded);
       x = list[lane];
+      at = lane;
     }
-    if (lane < topk) {
-      s.block_ids[int64_t{out_row} * topk + lane] = lane < out_v && lane < kk ? SelectionKeyBlock(x) : -1;
+    if (at < topk) {
+      s.block_ids[int64_t{out_row} * topk + at] = at < out_v && at < kk ? SelectionKeyBlock(x) : -1;
     }
   }
   Stamp(stamps, kTimelineSelected);
@@ -510,7 +556,7 @@ __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* score
     }
     // Rows the threshold pass did not finish (all of them after LoadKeysShared).
     __syncthreads();
-    SelectFromSharedKeys(s, row_begin + r0, n_rows, n, keys, threshold ? s_count : nullptr, cap);
+    SelectFromSharedKeys(s, row_begin + r0, n_rows, n, keys, threshold ? s_count : nullptr, cap, stamps);
     Stamp(stamps, kTimelineShared);
   }
   WritePageTables(s, row_begin, rows, pt);

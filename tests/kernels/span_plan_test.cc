@@ -15,6 +15,7 @@ using kernels::KeyStorage;
 using kernels::cuda::DecodeChunkBlocks;
 using kernels::cuda::DecodePlan;
 using kernels::cuda::PlanDecode;
+using kernels::cuda::RowDivider;
 using kernels::cuda::SpanDesc;
 
 TEST(DecodeChunkBlocksTest, HalfAMegabyteOfKeysPerCta) {
@@ -23,6 +24,23 @@ TEST(DecodeChunkBlocksTest, HalfAMegabyteOfKeysPerCta) {
   EXPECT_EQ(32, DecodeChunkBlocks(64, KeyStorage::kBf16));
   EXPECT_EQ(8, DecodeChunkBlocks(256, KeyStorage::kBf16));
   EXPECT_EQ(64, DecodeChunkBlocks(64, KeyStorage::kFp8E4M3));
+}
+
+// The top-k's division of row indices by the head count: exact against the hardware division,
+// for every row below 2^16 at small divisors, at the edges of the range and on random pairs.
+TEST(RowDividerTest, MatchesIntegerDivision) {
+  for (int d = 1; d <= 64; ++d) {
+    const RowDivider div(d);
+    for (int x = 0; x < (1 << 16); ++x) ASSERT_EQ(x / d, div(x)) << x << " / " << d;
+    for (int x : {0x7fffffff, 0x7ffffffe, 0x40000000, 0x3fffffff}) ASSERT_EQ(x / d, div(x)) << x << " / " << d;
+  }
+  std::mt19937 rng(11);
+  for (int i = 0; i < 1000000; ++i) {
+    const int d = static_cast<int>(rng() % 0x7fffffffu) + 1;
+    const int x = static_cast<int>(rng() % 0x80000000u);
+    const RowDivider div(d);
+    ASSERT_EQ(x / d, div(x)) << x << " / " << d;
+  }
 }
 
 // Checks the plan's invariants for `spans` (already planned).

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <random>
 
@@ -219,6 +220,29 @@ TEST_F(GpuSelectTest, LongContexts) {
   }
 }
 
+// Single rows of 513 to 2048 blocks (one warp's threshold selection over 1024 or 2048 keys, half
+// of them padding at 513 and 1025 blocks): integer scores, whose ties can overflow the candidate
+// list into the CTA-wide sort, top-k of 5 to 32, forced blocks, both key formats.
+TEST_F(GpuSelectTest, OneLongRowWithTies) {
+  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+    PoolCase c;
+    c.storage = st;
+    c.values = Values::kIntegers;
+    int topk_index = 0;
+    for (int64_t len : {65537, 100000, 131073, 200000, 262144}) {
+      SpanCase s;
+      s.length = len;
+      s.params.topk = std::array<int, 3>{16, 32, 5}[topk_index++ % 3];
+      s.params.init_blocks = static_cast<int>(rng_() % 3);
+      s.params.local_blocks = 1 + static_cast<int>(rng_() % 2);
+      s.attn = true;
+      c.spans.push_back(s);
+    }
+    Run(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
 TEST_F(GpuSelectTest, SpeculativeSpansAndManyHeads) {
   for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
     PoolCase c;
@@ -359,11 +383,12 @@ TEST_F(GpuSelectTest, SanitizerSmall) {
     c.storage = st;
     c.values = Values::kIntegers;
     // 65600 tokens: two rows of 513 blocks, the decode selector's threshold pass with two warps
-    // per row; 40000 tokens with 6 heads: one warp per row.
-    for (int64_t len : {1, 130, 700, 65600, 40000}) {
+    // per row; 40000 tokens with 6 heads: one warp per row; 70000 tokens with one head: one row
+    // of 547 blocks padded to 1024.
+    for (int64_t len : {1, 130, 700, 65600, 40000, 70000}) {
       SpanCase s;
       s.length = len;
-      s.num_heads = len == 40000 ? 6 : 2;
+      s.num_heads = len == 40000 ? 6 : (len == 70000 ? 1 : 2);
       s.attn = true;
       c.spans.push_back(s);
     }

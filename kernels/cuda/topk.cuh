@@ -370,7 +370,7 @@ inline constexpr int kThresholdKeys = 16;
 // n / tpr <= kThresholdKeys keys of its row. The kk-th largest of the row's thread maxima (kk =
 // min(n, NextPow2(topk)) <= 32) is at most the row's kk-th largest key, so every key of the top
 // kk is at or above it: the threads append those keys to the row's candidate list together (a
-// few dozen for random scores), and one warp per row sorts that list. A row whose list
+// few dozen for random scores), and one warp per row orders that list (by rank up to 32 keys). A row whose list
 // overflows `cap` is left to SelectFromSharedKeys; `s_count` (shared, kThresholdRowsPerPass)
 // receives each row's candidate count.
 inline constexpr int kThresholdRowsPerPass = 8;

@@ -152,15 +152,20 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   __syncthreads();
 
   // Stage ring: block b sits in stage (b - b_begin) % kStages. Every thread copies the chunks
-  // threadIdx.x + 256 i of a page, so a warp instruction reads 512 contiguous bytes.
+  // threadIdx.x + 256 i of a page, so a warp instruction reads 512 contiguous bytes. Chunk
+  // threadIdx.x + 256 i lands where chunk threadIdx.x does, 4096 i bytes further (256 chunks
+  // are whole swizzle periods of 8 rows), so the swizzle is computed once: per page, a thread
+  // computes one source and one destination address (the SASS showed some 70 instructions per
+  // page for the copies when each chunk's address was recomputed).
+  constexpr int kCopies = Shape::kPageChunks / (kDecodeWarps * 32);
+  static_assert((kDecodeWarps * 32 / Shape::kRowChunks) % 8 == 0, "256 chunks span whole swizzle periods");
+  const int copy_dst = Shape::Chunk(threadIdx.x / Shape::kRowChunks, threadIdx.x % Shape::kRowChunks) * 16;
   const auto issue = [&](int b) {
     if (b < b_end) {
-      const char* src = key_pool + int64_t{pages[b - b_begin]} * Shape::kPageBytes;
-      char* dst = smem + ((b - b_begin) % kStages) * Shape::kPageBytes;
+      const char* src = key_pool + int64_t{pages[b - b_begin]} * Shape::kPageBytes + threadIdx.x * 16;
+      char* dst = smem + ((b - b_begin) % kStages) * Shape::kPageBytes + copy_dst;
 #pragma unroll
-      for (int i = threadIdx.x; i < Shape::kPageChunks; i += kDecodeWarps * 32) {
-        CpAsync16(dst + Shape::Chunk(i / Shape::kRowChunks, i % Shape::kRowChunks) * 16, src + i * 16);
-      }
+      for (int i = 0; i < kCopies; ++i) CpAsync16(dst + i * 4096, src + i * 4096);
     }
     CpAsyncCommit();  // empty groups past the end keep the wait count uniform
   };
@@ -191,16 +196,20 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
 
   // Per-warp maxima of the last two blocks: [2][8 warps][rows].
   float* part = reinterpret_cast<float*>(smem + Shape::kStageBytes);
-  // Block bb's scores from its per-warp maxima (after a barrier that follows their writes).
+  // Block bb's scores from its per-warp maxima (after a barrier that follows their writes): thread
+  // `col` < rows (at most 32) writes row col's score, for the blocks its token sees.
+  const int flush_col = static_cast<int>(threadIdx.x);
+  const int flush_last_block =
+      flush_col < rows ? static_cast<int>((p0 + flush_col / num_heads) / kBlockSize) : -1;
+  float* const flush_scores =
+      flush_col < rows ? p.scores + score_offset + int64_t{flush_col} * visible_blocks : p.scores;
   const auto flush = [&](int bb) {
-    const float* pp = part + (bb & 1) * kDecodeWarps * rows;
-    for (int col = threadIdx.x; col < rows; col += blockDim.x) {
+    if (bb <= flush_last_block) {
+      const float* pp = part + (bb & 1) * kDecodeWarps * rows + flush_col;
       float mx = NaNf();
 #pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) mx = MaxSkipNaN(mx, pp[w * rows + col]);
-      if (int64_t{bb} * kBlockSize <= p0 + col / num_heads) {
-        p.scores[score_offset + int64_t{col} * visible_blocks + bb] = mx == mx ? mx : kEmptyScore;
-      }
+      for (int w = 0; w < kDecodeWarps; ++w) mx = MaxSkipNaN(mx, pp[w * rows]);
+      flush_scores[bb] = mx == mx ? mx : kEmptyScore;
     }
   };
   // ldmatrix source rows: lane l reads row 16 warp + 8 ((l >> 3) & 1) + (l & 7) at chunk
@@ -315,7 +324,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   unsigned long long* stamps = p.timeline;
   Stamp(stamps, kTimelineLast);
   const int n = NextPow2(s.visible_blocks);
-  const int rows_per_pass = max(1, p.smem_keys / n);
+  const int rows_per_pass = max(1, p.smem_keys >> (__ffs(n) - 1));  // smem_keys / n
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
   for (int r0 = 0; r0 < rows; r0 += rows_per_pass) {
     SelectRows<true>(s, p.scores, r0, min(rows_per_pass, rows - r0), n, keys, p.pt, stamps);

@@ -100,9 +100,15 @@ inline constexpr int kWarpCandidates = 256;
 inline constexpr int kTopkWarps = 8;
 
 INDEXER_HD int32_t NextPow2(int32_t v) {
+#ifdef __CUDA_ARCH__
+  // One count-leading-zeros instead of a loop of dependent shifts (the top-k's set-up calls this
+  // on its critical path).
+  return v <= 1 ? 1 : static_cast<int32_t>(1u << (32 - __clz(v - 1)));
+#else
   int32_t p = 1;
   while (p < v) p <<= 1;
   return p;
+#endif
 }
 
 // x / d for 0 <= x < 2^31 and 1 <= d < 2^31, exactly, with one multiply-high and one

@@ -198,6 +198,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   float* part = reinterpret_cast<float*>(smem + Shape::kStageBytes);
   // Block bb's scores from its per-warp maxima (after a barrier that follows their writes): thread
   // `col` < rows (at most 32) writes row col's score, for the blocks its token sees.
+  static_assert(NT * 8 <= kDecodeWarps * 32, "one thread per row flushes its scores");
   const int flush_col = static_cast<int>(threadIdx.x);
   const int flush_last_block =
       flush_col < rows ? static_cast<int>((p0 + flush_col / num_heads) / kBlockSize) : -1;

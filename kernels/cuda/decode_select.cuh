@@ -153,11 +153,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
 
   // Stage ring: block b sits in stage (b - b_begin) % kStages. Every thread copies the chunks
   // threadIdx.x + 256 i of a page, so a warp instruction reads 512 contiguous bytes. Chunk
-  // threadIdx.x + 256 i lands where chunk threadIdx.x does, 4096 i bytes further (256 chunks
-  // are whole swizzle periods of 8 rows), so the swizzle is computed once: per page, a thread
-  // computes one source and one destination address (the SASS showed some 70 instructions per
-  // page for the copies when each chunk's address was recomputed).
-  constexpr int kCopies = Shape::kPageChunks / (kDecodeWarps * 32);
+  // threadIdx.x + 256 i lands where chunk threadIdx.x does, one copy round (4 KB) per i further
+  // (256 chunks are whole swizzle periods of 8 rows), so the swizzle is computed once: per page, a
+  // thread computes one source and one destination address (the SASS showed some 70 instructions
+  // per page for the copies when each chunk's address was recomputed).
+  constexpr int kRoundBytes = kDecodeWarps * 32 * 16;  // one 16-byte copy per thread
+  constexpr int kCopies = Shape::kPageBytes / kRoundBytes;
   static_assert((kDecodeWarps * 32 / Shape::kRowChunks) % 8 == 0, "256 chunks span whole swizzle periods");
   const int copy_dst = Shape::Chunk(threadIdx.x / Shape::kRowChunks, threadIdx.x % Shape::kRowChunks) * 16;
   const auto issue = [&](int b) {
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
       const char* src = key_pool + int64_t{pages[b - b_begin]} * Shape::kPageBytes + threadIdx.x * 16;
       char* dst = smem + ((b - b_begin) % kStages) * Shape::kPageBytes + copy_dst;
 #pragma unroll
-      for (int i = 0; i < kCopies; ++i) CpAsync16(dst + i * 4096, src + i * 4096);
+      for (int i = 0; i < kCopies; ++i) CpAsync16(dst + i * kRoundBytes, src + i * kRoundBytes);
     }
     CpAsyncCommit();  // empty groups past the end keep the wait count uniform
   };

@@ -5,6 +5,7 @@
 // assign work units and scratch offsets, uploads the array and calls a launcher (launchers.h).
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <span>
 
@@ -99,16 +100,17 @@ inline constexpr int kTopkSmemKeys = 4096;
 inline constexpr int kWarpCandidates = 256;
 inline constexpr int kTopkWarps = 8;
 
+// The smallest power of two >= v, for 0 <= v <= 2^30: one count of leading zeros, the same
+// formula on host and device (the decode top-k's set-up calls it on its critical path, where a
+// loop of dependent shifts cost a few hundred cycles).
 INDEXER_HD int32_t NextPow2(int32_t v) {
+  if (v <= 1) return 1;
 #ifdef __CUDA_ARCH__
-  // One count-leading-zeros instead of a loop of dependent shifts (the top-k's set-up calls this
-  // on its critical path).
-  return v <= 1 ? 1 : static_cast<int32_t>(1u << (32 - __clz(v - 1)));
+  const int zeros = __clz(v - 1);
 #else
-  int32_t p = 1;
-  while (p < v) p <<= 1;
-  return p;
+  const int zeros = std::countl_zero(static_cast<uint32_t>(v - 1));
 #endif
+  return static_cast<int32_t>(1u << (32 - zeros));
 }
 
 // x / d for 0 <= x < 2^31 and 1 <= d < 2^31, exactly, with one multiply-high and one

@@ -14,6 +14,7 @@ namespace {
 using kernels::KeyStorage;
 using kernels::cuda::DecodeChunkBlocks;
 using kernels::cuda::DecodePlan;
+using kernels::cuda::NextPow2;
 using kernels::cuda::PlanDecode;
 using kernels::cuda::RowDivider;
 using kernels::cuda::SpanDesc;
@@ -40,6 +41,20 @@ TEST(RowDividerTest, MatchesIntegerDivision) {
     const int x = static_cast<int>(rng() % 0x80000000u);
     const RowDivider div(d);
     ASSERT_EQ(x / d, div(x)) << x << " / " << d;
+  }
+}
+
+// NextPow2 (one count of leading zeros, the formula the device runs too) against a loop of
+// doublings, over every value below 2^20 and the top of its range.
+TEST(NextPow2Test, MatchesDoubling) {
+  const auto doubling = [](int32_t v) {
+    int32_t p = 1;
+    while (p < v) p <<= 1;
+    return p;
+  };
+  for (int32_t v = -3; v < (1 << 20); ++v) ASSERT_EQ(doubling(v), NextPow2(v)) << v;
+  for (int32_t v : {(1 << 29) - 1, 1 << 29, (1 << 29) + 1, (1 << 30) - 1, 1 << 30}) {
+    ASSERT_EQ(doubling(v), NextPow2(v)) << v;
   }
 }
 

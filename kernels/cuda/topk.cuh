@@ -237,7 +237,6 @@ __device__ __forceinline__ const SpanDesc& CopySpanDesc(const SpanDesc* spans, i
   return *reinterpret_cast<const SpanDesc*>(out);
 }
 
-
 // Rows [row_begin, row_begin + rows) of span `s` are selected in passes; both passes below leave
 // the rows' keys in shared memory at keys[(r << log2(n)) + b] (0 past the row's visible blocks, which
 // sorts last) and the candidate scratch after them, kTopkWarps * kWarpCandidates keys.
@@ -370,9 +369,9 @@ inline constexpr int kThresholdKeys = 16;
 // n / tpr <= kThresholdKeys keys of its row. The kk-th largest of the row's thread maxima (kk =
 // min(n, NextPow2(topk)) <= 32) is at most the row's kk-th largest key, so every key of the top
 // kk is at or above it: the threads append those keys to the row's candidate list together (a
-// few dozen for random scores), and one warp per row orders that list (by rank up to 32 keys). A row whose list
-// overflows `cap` is left to SelectFromSharedKeys; `s_count` (shared, kThresholdRowsPerPass)
-// receives each row's candidate count.
+// few dozen for random scores), and one warp per row orders that list (by rank up to 32 keys).
+// A row whose list overflows `cap` is left to SelectFromSharedKeys; `s_count` (shared,
+// kThresholdRowsPerPass) receives each row's candidate count.
 inline constexpr int kThresholdRowsPerPass = 8;
 
 __device__ __forceinline__ void SelectRowsThreshold(const SpanDesc& s, const float* scores, int row_begin,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Configures and builds indexer into $BUILD_DIR (default ./build), Release, with the CUDA backend
-# when nvcc exists (CMAKE_CUDA_ARCHITECTURES defaults to 90: H100/H200).
+# when nvcc exists (CMAKE_CUDA_ARCHITECTURES defaults to 90a: H100/H200).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}

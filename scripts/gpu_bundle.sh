@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the GPU binaries here (sm_90) and bundles them, with the shared libraries they need and
+# Builds the GPU binaries here (sm_90a) and bundles them, with the shared libraries they need and
 # the seed's benchmark, into .device/ (git-ignored), for scripts/gpu_check.sh on the GPU machine
 # (scripts/service_bench.py, which gpu_check.sh service runs, is in the tree and needs no bundling):
 #
@@ -7,8 +7,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build-gpu}
-# sm_90 code only (no PTX): the bundle runs on the H200 and must stay small.
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90-real >/dev/null
+# sm_90a code only (no PTX): the bundle runs on the H200 and must stay small.
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a-real >/dev/null
 cmake --build "$build" --target gpu_select_test cuda_backend_test indexer-kernel-bench indexer-stream-probe indexer-server \
   indexer-cli indexer-bench indexer-echo-server fuzz_corpus_test
 rm -rf "$root/.device/bundle" "$root/.device/bench"
@@ -24,11 +24,9 @@ for bin in "$build/tests/gpu/gpu_select_test" "$build/tests/gpu/cuda_backend_tes
 done
 cp -r "${SEED_BENCH_DIR:-$root/../shared/bench}" "$root/.device/bench"
 du -sh "$root/.device/bundle" "$root/.device/bench"
-# The device tool carries at most 64 MiB in all: each mode of gpu_check.sh needs part of it.
-need() { du -sck "$@" | tail -n 1 | cut -f1; }
-b=$root/.device/bundle
-kib=$(need "$b/lib" "$b/gpu_select_test" "$b/cuda_backend_test" "$b/indexer-kernel-bench" "$b/indexer-stream-probe" \
-      "$b/indexer-server" "$b/indexer-cli" "$root/.device/bench")
-echo "gpu_check.sh all needs lib, gpu_select_test, cuda_backend_test, indexer-kernel-bench," \
-     "indexer-stream-probe, indexer-server, indexer-cli and .device/bench: ${kib} KiB"
-[ "$kib" -lt $((64 * 1024)) ] || { echo "over the 64 MiB the device tool carries" >&2; exit 1; }
+# The device tool carries at most 64 MiB in all, more than the bundle unpacked: carry the archive
+# (.device/bundle.tgz and .device/bench); gpu_check.sh unpacks it when .device/bundle is absent.
+tar czf "$root/.device/bundle.tgz" -C "$root/.device" bundle
+kib=$(du -sck "$root/.device/bundle.tgz" "$root/.device/bench" | tail -n 1 | cut -f1)
+echo ".device/bundle.tgz and .device/bench: ${kib} KiB to carry"
+[ "$kib" -lt $((60 * 1024)) ] || { echo "over the 64 MiB the device tool carries" >&2; exit 1; }

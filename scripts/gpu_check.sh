@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on a machine with an NVIDIA GPU (sm_90), from the repository root, after
+# Runs on a machine with an NVIDIA GPU (sm_90a: H100/H200), from the repository root, after
 # scripts/gpu_bundle.sh made .device/: the GPU test suite, a compute-sanitizer pass, the kernel
 # benchmark and, right after it on the same GPU, the seed's benchmark, then the ratio table.
 # Logs go to $OUT (default ./gpu-out).
@@ -26,6 +26,9 @@ what=${1:-all}
 out=${OUT:-$root/gpu-out}
 mkdir -p "$out"
 bundle=${BUNDLE:-.device/bundle}   # BUNDLE: another folder made like it
+if [ ! -d "$bundle" ] && [ -z "${BUNDLE:-}" ] && [ -f .device/bundle.tgz ]; then
+  tar xzf .device/bundle.tgz -C .device || { echo "cannot unpack .device/bundle.tgz" >&2; exit 1; }
+fi
 export LD_LIBRARY_PATH=$root/$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 status=0
 step() { echo; echo "=== $* ==="; }

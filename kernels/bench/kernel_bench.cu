@@ -360,25 +360,37 @@ int main_impl(int argc, char** argv) {
       const int64_t l = c.prefix + c.chunk;
       std::vector<int64_t> lens(c.b, l), starts(c.b, c.prefix);
       Workload w(lens, starts, static_cast<int>(c.chunk), c.h, KeyStorage::kBf16, rng);
-      const kc::PrefillPlan plan = kc::PlanPrefill(w.descs, kD);
+      const kc::PrefillPlan plan = kc::PlanPrefill(w.descs, kc::PrefillRowTile(kD));
       w.Upload(plan.score_floats);
       const auto launch = [&] {
         CHECK_CUDA(kc::LaunchPrefillSelect(w.d_descs, static_cast<int>(w.descs.size()), plan,
                                            KeyStorage::kBf16, kD, pt, w.scores, stream));
       };
       const double us = timer.Median(launch, 5, std::max(5, reps / 4), stream);
+      // The two launches (scores, then top-k) timed on their own, the same way.
+      kc::LaunchList list;
+      CHECK_CUDA(kc::DescribePrefillSelect(w.d_descs, static_cast<int>(w.descs.size()), plan,
+                                           KeyStorage::kBf16, kD, pt, w.scores, &list));
+      double part_us[2] = {0, 0};
+      for (int k = 0; k < 2 && k < list.size; ++k) {
+        kc::LaunchList one;
+        *one.Add() = list.items[k];
+        part_us[k] = timer.Median([&] { CHECK_CUDA(one.Enqueue(stream)); }, 5, std::max(5, reps / 4), stream);
+      }
       CHECK_CUDA(cudaStreamSynchronize(stream));
       const double flops = 2.0 * c.b * c.h * kD *
                            (static_cast<double>(c.chunk) * c.prefix + 0.5 * c.chunk * (c.chunk + 1));
       std::printf(
           "{\"kind\": \"prefill\", \"B\": %d, \"prefix\": %lld, \"chunk\": %lld, \"H\": %d, \"total_us\": %.1f, "
-          "\"TFLOPs\": %.1f}\n",
-          c.b, static_cast<long long>(c.prefix), static_cast<long long>(c.chunk), c.h, us, flops / (us * 1e-6) / 1e12);
+          "\"score_us\": %.1f, \"topk_us\": %.1f, \"TFLOPs\": %.1f}\n",
+          c.b, static_cast<long long>(c.prefix), static_cast<long long>(c.chunk), c.h, us, part_us[0], part_us[1],
+          flops / (us * 1e-6) / 1e12);
       std::fflush(stdout);
       char line[256];
-      std::snprintf(line, sizeof(line), "prefill B=%d prefix=%lld chunk=%lld H=%d  score+topk %9.1f us  (%.0f TFLOP/s useful)",
+      std::snprintf(line, sizeof(line), "prefill B=%d prefix=%lld chunk=%lld H=%d  score+topk %9.1f us  (%.0f TFLOP/s useful; "
+                    "alone: score %.1f us at %.0f TFLOP/s, topk %.1f us)",
                     c.b, static_cast<long long>(c.prefix), static_cast<long long>(c.chunk), c.h, us,
-                    flops / (us * 1e-6) / 1e12);
+                    flops / (us * 1e-6) / 1e12, part_us[0], flops / (part_us[0] * 1e-6) / 1e12, part_us[1]);
       table.push_back(line);
     }
   }

@@ -4,7 +4,7 @@
 // products or sums to overflow (Inf and NaN dot products), or, for fp8 keys, queries outside
 // f16's exact range. Slow and simple; top-k is PrefillTopkKernel's.
 //
-// One CTA per (tile of PrefillRowTile rows, chunk of blocks), as PlanPrefill lays them out;
+// One CTA per (tile of ExactRowTile rows, chunk of blocks), as PlanPrefill lays them out;
 // thread r owns row r of the tile and walks the tokens of the chunk.
 #pragma once
 
@@ -16,7 +16,7 @@ namespace indexer::kernels::cuda {
 template <int D, KeyStorage S>
 __global__ void __launch_bounds__(128) ExactScoreKernel(const SpanDesc* spans, int num_spans,
                                                         float* scores) {
-  constexpr int kTile = D == 256 ? 64 : 128;
+  constexpr int kTile = ExactRowTile(D);
   __shared__ uint16_t q[D][kTile];  // bf16, transposed: thread r reads q[d][r] without conflicts
   const SpanDesc& s = spans[FindSpan(spans, num_spans, blockIdx.x, false)];
   const int local = blockIdx.x - s.unit_begin;

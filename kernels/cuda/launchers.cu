@@ -197,7 +197,7 @@ cudaError_t DescribePrefillSelect(const SpanDesc* spans, int num_spans, const Pr
     return INDEXER_DISPATCH_STORAGE(storage, S, [&]() -> cudaError_t {
       using Shape = PrefillShape<D, S>;
       return Describe(PrefillScoreKernel<D, S>, dim3(static_cast<unsigned>(plan.total_units)),
-                      dim3(Shape::kWarps * 32), Shape::kSmemBytes, out, spans, num_spans, scores);
+                      dim3(Shape::kThreads), Shape::kSmemBytes, out, spans, num_spans, scores);
     });
   });
   if (err != cudaSuccess) return err;

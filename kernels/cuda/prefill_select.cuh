@@ -1,44 +1,107 @@
 // Prefill selector: many query rows against their causal prefixes, on tensor cores.
 //
-// Scores: one CTA (4 warps) per (tile of query rows, chunk of 16 blocks). Each warp holds
-// 16 * kMTiles query rows as mma A fragments for the whole CTA; key blocks stream through a
-// two-stage cp.async pipeline into XOR-swizzled shared memory (conflict-free ldmatrix) and are
-// the B operand. Row maxima per block go to a raw score array; a second kernel selects the
-// top-k of each row (topk.cuh). Scores are 1/32768 of the key bytes per row: writing them costs
-// little next to the scoring, and splitting rows and blocks over CTAs keeps every SM busy
-// whatever the causal shape.
+// Scores: one CTA per (tile of query rows, chunk of 16 blocks). Each warpgroup holds 64 query
+// rows as A fragments in registers for the whole CTA; key blocks stream through a cp.async ring of
+// kStages blocks into shared memory, laid out in 128-byte swizzled slabs of 64 dimensions (the
+// wgmma K-major layout, also read by ldmatrix), and are the B operand: per block and warpgroup,
+// D / 16 wgmma m64n128k16 on sm_90a, or the same product by mma.sync elsewhere. Row maxima per
+// block go to a raw score array; a second kernel selects the top-k of each row (topk.cuh).
+// Scores are 1/32768 of the key bytes per row: writing them costs little next to the scoring,
+// and splitting rows and blocks over CTAs keeps every SM busy whatever the causal shape.
 #pragma once
 
 #include "kernels/cuda/decode_select.cuh"
 #include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/topk.cuh"
+#include "kernels/cuda/wgmma.cuh"
 
 namespace indexer::kernels::cuda {
 
 template <int D, KeyStorage S>
 struct PrefillShape {
-  static constexpr int kWarps = 4;
-  static constexpr int kMTiles = D == 256 ? 1 : 2;
-  static constexpr int kRowsPerCta = kWarps * 16 * kMTiles;
-  static constexpr int kSteps = D / 16;
-  static constexpr int kRowBytes = D * 2;  // bf16 rows in shared memory
-  static constexpr int kChunks = D / 8;    // 16-byte chunks per row
-  static constexpr int kStageBytes = kBlockSize * kRowBytes;
-  static constexpr int kRawStageBytes = S == KeyStorage::kBf16 ? 0 : kBlockSize * D;
-  static constexpr int kSmemBytes = 2 * kStageBytes + 2 * kRawStageBytes;
+  // Two warpgroups of 64 rows and two CTAs per multiprocessor (one for head_dim 256, whose A
+  // fragments and stages are twice the size): one CTA's barrier waits and pipeline start are the
+  // other's tensor-core time. One CTA of four warpgroups (256 rows, half the shared-memory reads
+  // per product) was 5 to 12% slower on the H200.
+  static constexpr int kWarpGroups = 2;
+  static constexpr int kMinBlocks = D == 256 ? 1 : 2;
+  static constexpr int kThreads = kWarpGroups * 128;
+  static constexpr int kRowsPerCta = kWarpGroups * 64;
+  static constexpr int kSteps = D / 16;                       // k-steps of 16 dimensions
+  static constexpr int kSlabBytes = kBlockSize * 128;         // 64 dimensions of a block's 128 tokens
+  static constexpr int kStageBytes = kBlockSize * D * 2;      // one block in bf16
+  static constexpr int kRawStageBytes = S == KeyStorage::kBf16 ? 0 : kBlockSize * D;  // as stored
+  static constexpr int kStages = kMinBlocks == 2 ? std::min(3, (112 << 10) / (kStageBytes + kRawStageBytes))
+                                                : std::min(4, (200 << 10) / (kStageBytes + kRawStageBytes));
+  static constexpr int kSmemBytes = kStages * (kStageBytes + kRawStageBytes) + 1024;  // + alignment
+  // The swizzle of a thread's copies repeats: each pass over a block moves it by a multiple of 8 tokens.
+  static_assert((kThreads / (D / 8)) % 8 == 0 && (kThreads / (D / 16)) % 8 == 0);
+  static_assert(kStages >= 2);
+  static_assert(kRowsPerCta == PrefillRowTile(D), "PlanPrefill lays the units out by PrefillRowTile");
 };
 
+// Byte offset of 16-byte chunk `ch` (dimensions 8 ch .. 8 ch + 7) of `token` in a staged block.
+template <int D>
+__device__ __forceinline__ int StagedChunk(int token, int ch) {
+  return (ch >> 3) * (kBlockSize * 128) + token * 128 + (((ch & 7) ^ (token & 7)) << 4);
+}
+
+// acc (this warp's 16 rows x the block's 128 tokens, mma C fragments per 8 tokens) = q * block.
+// `stage` is the staged block's shared-memory address (1024-aligned); all warps of a warpgroup call.
+template <int D>
+__device__ __forceinline__ void ScoreBlock(float (&acc)[64], const uint32_t (&qa)[D / 16][4], uint32_t stage,
+                                           const char* stage_ptr) {
+#if defined(INDEXER_HAVE_WGMMA)
+  (void)stage_ptr;
+  WgmmaFence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const uint64_t desc = WgmmaDescSw128(stage + (ks >> 2) * (kBlockSize * 128)) + 2 * (ks & 3);
+    WgmmaM64N128K16Bf16(acc, qa[ks], desc, ks > 0);
+  }
+  WgmmaCommit();
+  WgmmaWait<0>();
+#pragma unroll
+  for (int i = 0; i < 64; ++i) WgmmaFenceOperand(acc[i]);
+#else
+  (void)stage;
+  const int lane = threadIdx.x & 31;
+  const int mi = lane >> 3;
+  const int ri = lane & 7;
+#pragma unroll
+  for (int nt = 0; nt < kBlockSize / 8; ++nt) {
+    float(&c)[4] = *reinterpret_cast<float(*)[4]>(&acc[4 * nt]);
+    c[0] = c[1] = c[2] = c[3] = 0.f;
+    const int token = nt * 8 + ri;
+#pragma unroll
+    for (int kp = 0; kp < D / 32; ++kp) {
+      uint32_t r[4];
+      LdMatrixX4(r, stage_ptr + StagedChunk<D>(token, 4 * kp + mi));
+      MmaBf16(c, qa[2 * kp], r[0], r[1]);
+      MmaBf16(c, qa[2 * kp + 1], r[2], r[3]);
+    }
+  }
+#endif
+}
+
 template <int D, KeyStorage S>
-__global__ void __launch_bounds__(PrefillShape<D, S>::kWarps * 32)
+__global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, S>::kMinBlocks)
     PrefillScoreKernel(const SpanDesc* spans, int num_spans, float* scores) {
   using Shape = PrefillShape<D, S>;
-  constexpr int kMT = Shape::kMTiles;
   constexpr int kSteps = Shape::kSteps;
-  extern __shared__ uint4 smem4[];
-  char* smem = reinterpret_cast<char*>(smem4);
+  constexpr int kStages = Shape::kStages;
+  constexpr int kThreads = Shape::kThreads;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // 1024-aligned, as the swizzled layout needs (the launch adds 1 KB for this).
+  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  char* smem = reinterpret_cast<char*>(smem_raw) + (((raw_addr + 1023u) & ~1023u) - raw_addr);
+  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
-  const SpanDesc& s = spans[FindSpan(spans, num_spans, blockIdx.x, false)];
-  const int local = blockIdx.x - s.unit_begin;
+  // Units in reverse: a span's last row tiles see the most blocks, so the longest CTAs start first
+  // and the short ones fill in at the end (one CTA per multiprocessor: the tail is what balances).
+  const int unit = gridDim.x - 1 - blockIdx.x;
+  const SpanDesc& s = spans[FindSpan(spans, num_spans, unit, false)];
+  const int local = unit - s.unit_begin;
   const int tile = local / s.block_chunks;
   const int chunk = local - tile * s.block_chunks;
   const int rows = s.num_tokens * s.num_heads;
@@ -56,138 +119,121 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kWarps * 32)
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
+  // This warpgroup's 64 rows: the last position they see bounds the blocks it multiplies.
+  const int wg_row0 = row0 + (warp >> 2) * 64;
+  const int64_t wg_pos_hi = wg_row0 < rows ? p0 + (min(wg_row0 + 64, rows) - 1) / heads : -1;
 
-  // A fragments of this warp's query rows, and each row's position (-1: no such row).
-  uint32_t qa[kMT][kSteps][4];
-  int64_t row_pos[kMT][2];
+  // A fragments of this warp's 16 query rows, and each row's position (-1: no such row).
+  uint32_t qa[kSteps][4];
+  int64_t row_pos[2];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + warp * 16 + g + 8 * h;
+    row_pos[h] = r < rows ? p0 + r / heads : -1;
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(s.queries + int64_t{r} * D);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = row0 + warp * 16 * kMT + mt * 16 + g + 8 * h;
-      row_pos[mt][h] = r < rows ? p0 + r / heads : -1;
-      const uint32_t* q = reinterpret_cast<const uint32_t*>(s.queries + int64_t{r} * D);
-#pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks) {
-        qa[mt][ks][h] = r < rows ? q[(16 * ks + 2 * t) / 2] : 0u;
-        qa[mt][ks][2 + h] = r < rows ? q[(16 * ks + 2 * t + 8) / 2] : 0u;
-      }
+    for (int ks = 0; ks < kSteps; ++ks) {
+      qa[ks][h] = r < rows ? q[(16 * ks + 2 * t) / 2] : 0u;
+      qa[ks][2 + h] = r < rows ? q[(16 * ks + 2 * t + 8) / 2] : 0u;
     }
   }
 
-  const auto stage_buf = [&](int stage) { return smem + stage * Shape::kStageBytes; };
-  const auto raw_buf = [&](int stage) {
-    return smem + 2 * Shape::kStageBytes + stage * Shape::kRawStageBytes;
-  };
+  const auto stage_off = [](int stage) { return stage * Shape::kStageBytes; };
+  const auto raw_off = [](int stage) { return kStages * Shape::kStageBytes + stage * Shape::kRawStageBytes; };
+  // This thread's copies: chunk threadIdx.x + kThreads * i of the block. Its swizzled destination
+  // moves by a whole number of 8-token atoms per i, so one offset serves every pass.
+  constexpr int kChunksPerToken = S == KeyStorage::kBf16 ? D / 8 : D / 16;
+  constexpr int kCopyChunks = kBlockSize * kChunksPerToken;
+  constexpr int kTokensPerPass = kThreads / kChunksPerToken;
+  const int my_token = threadIdx.x / kChunksPerToken;
+  const int my_chunk = threadIdx.x - my_token * kChunksPerToken;
+  const int my_dst = S == KeyStorage::kBf16 ? StagedChunk<D>(my_token, my_chunk) : threadIdx.x * 16;
   const auto issue = [&](int b, int stage) {
     const int64_t page = s.block_table[b];
-    if constexpr (S == KeyStorage::kBf16) {
-      const char* src = static_cast<const char*>(s.keys) + page * Shape::kStageBytes;
-      char* dst = stage_buf(stage);
-      for (int c = threadIdx.x; c < kBlockSize * Shape::kChunks; c += blockDim.x) {
-        const int token = c / Shape::kChunks;
-        const int ch = c - token * Shape::kChunks;
-        CpAsync16(dst + token * Shape::kRowBytes + ((ch ^ (token & 7)) << 4), src + c * 16);
-      }
-    } else {
-      const char* src = static_cast<const char*>(s.keys) + page * Shape::kRawStageBytes;
-      char* dst = raw_buf(stage);
-      for (int c = threadIdx.x; c < Shape::kRawStageBytes / 16; c += blockDim.x) {
-        CpAsync16(dst + c * 16, src + c * 16);
-      }
+    const char* src = static_cast<const char*>(s.keys) + page * (kBlockSize * D * (S == KeyStorage::kBf16 ? 2 : 1)) +
+                      threadIdx.x * 16;
+    char* dst = smem + (S == KeyStorage::kBf16 ? stage_off(stage) : raw_off(stage)) + my_dst;
+#pragma unroll
+    for (int i = 0; i < kCopyChunks / kThreads; ++i) {
+      CpAsync16(dst + (S == KeyStorage::kBf16 ? i * kTokensPerPass * 128 : i * kThreads * 16),
+                src + i * kThreads * 16);
     }
-    CpAsyncCommit();
   };
 
-  issue(b_begin, 0);
+  // Blocks b_begin .. b_begin + kStages - 2 in flight; one commit group per block (empty ones too,
+  // so that "block i landed" is always "at most kStages - 2 groups pending").
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (b_begin + i < b_end) issue(b_begin + i, i);
+    CpAsyncCommit();
+  }
   for (int b = b_begin; b < b_end; ++b) {
-    const int stage = (b - b_begin) & 1;
-    if (b + 1 < b_end) {
-      issue(b + 1, stage ^ 1);
-      CpAsyncWait<1>();
-    } else {
-      CpAsyncWait<0>();
-    }
-    __syncthreads();
-    char* buf = stage_buf(stage);
+    const int i = b - b_begin;
+    const int stage = i % kStages;
+    CpAsyncWait<kStages - 2>();
     if constexpr (S == KeyStorage::kFp8E4M3) {
-      // 16 fp8 values (one raw chunk) become two swizzled bf16 chunks.
-      const uint4* raw = reinterpret_cast<const uint4*>(raw_buf(stage));
-      for (int c = threadIdx.x; c < Shape::kRawStageBytes / 16; c += blockDim.x) {
-        const uint4 v = raw[c];
-        const int token = (c * 16) / D;
-        const int ch = ((c * 16) % D) / 8;
+      // Each thread widens the raw chunks it copied itself (16 fp8 values -> two bf16 chunks).
+      const char* raw = smem + raw_off(stage) + threadIdx.x * 16;
+      char* out = smem + stage_off(stage);
+#pragma unroll
+      for (int k = 0; k < kCopyChunks / kThreads; ++k) {
+        const uint4 v = *reinterpret_cast<const uint4*>(raw + k * kThreads * 16);
         const uint32_t w[4] = {v.x, v.y, v.z, v.w};
         uint32_t o[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          o[2 * i] = Fp8x2ToBf16x2(static_cast<uint16_t>(w[i] & 0xffffu));
-          o[2 * i + 1] = Fp8x2ToBf16x2(static_cast<uint16_t>(w[i] >> 16));
+        for (int j = 0; j < 4; ++j) {
+          o[2 * j] = Fp8x2ToBf16x2(static_cast<uint16_t>(w[j] & 0xffffu));
+          o[2 * j + 1] = Fp8x2ToBf16x2(static_cast<uint16_t>(w[j] >> 16));
         }
-        char* row = buf + token * Shape::kRowBytes;
-        *reinterpret_cast<uint4*>(row + ((ch ^ (token & 7)) << 4)) = make_uint4(o[0], o[1], o[2], o[3]);
-        *reinterpret_cast<uint4*>(row + (((ch + 1) ^ (token & 7)) << 4)) = make_uint4(o[4], o[5], o[6], o[7]);
+        const int token = my_token + k * kTokensPerPass;
+        *reinterpret_cast<uint4*>(out + StagedChunk<D>(token, 2 * my_chunk)) = make_uint4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<uint4*>(out + StagedChunk<D>(token, 2 * my_chunk + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
       }
-      __syncthreads();
     }
+#if defined(INDEXER_HAVE_WGMMA)
+    FenceProxyAsyncShared();
+#endif
+    // Block b is staged for everyone, and every warp is done with block b - 1, whose stage the
+    // next copy refills.
+    __syncthreads();
+    if (b + kStages - 1 < b_end) issue(b + kStages - 1, (i + kStages - 1) % kStages);
+    CpAsyncCommit();
 
-    float mrow[kMT][2];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) mrow[mt][0] = mrow[mt][1] = NaNf();
+    if (int64_t{b} * kBlockSize > wg_pos_hi) continue;  // warpgroup-uniform: no row of it sees b
+    float acc[64];
+    ScoreBlock<D>(acc, qa, smem_addr + stage_off(stage), smem + stage_off(stage));
+
+    float mrow[2] = {NaNf(), NaNf()};
     const bool masked = int64_t{b} * kBlockSize + kBlockSize - 1 > pos_lo;
-    const int mi = lane >> 3;
-    const int ri = lane & 7;
-#pragma unroll 2
+    const int64_t tok0 = int64_t{b} * kBlockSize + 2 * t;
+#pragma unroll
     for (int nt = 0; nt < kBlockSize / 8; ++nt) {
-      float acc[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
-      const int token = nt * 8 + ri;
-      const char* row = buf + token * Shape::kRowBytes;
-#pragma unroll
-      for (int kp = 0; kp < kSteps / 2; ++kp) {
-        uint32_t r[4];
-        LdMatrixX4(r, row + (((4 * kp + mi) ^ (token & 7)) << 4));
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          MmaBf16(acc[mt], qa[mt][2 * kp], r[0], r[1]);
-          MmaBf16(acc[mt], qa[mt][2 * kp + 1], r[2], r[3]);
-        }
-      }
-      const int64_t tok = int64_t{b} * kBlockSize + nt * 8 + 2 * t;
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        if (!masked) {
-          mrow[mt][0] = MaxSkipNaN(mrow[mt][0], MaxSkipNaN(acc[mt][0], acc[mt][1]));
-          mrow[mt][1] = MaxSkipNaN(mrow[mt][1], MaxSkipNaN(acc[mt][2], acc[mt][3]));
-        } else {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float x0 = tok <= row_pos[mt][h] ? acc[mt][2 * h] : NaNf();
-            const float x1 = tok + 1 <= row_pos[mt][h] ? acc[mt][2 * h + 1] : NaNf();
-            mrow[mt][h] = MaxSkipNaN(mrow[mt][h], MaxSkipNaN(x0, x1));
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float m = mrow[mt][h];
-        m = MaxSkipNaN(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = MaxSkipNaN(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        const int r = row0 + warp * 16 * kMT + mt * 16 + g + 8 * h;
-        if (t == 0 && r < rows && int64_t{b} * kBlockSize <= row_pos[mt][h]) {
-          scores[s.score_offset + int64_t{r} * s.visible_blocks + b] = m == m ? m : kEmptyScore;
+        float x0 = acc[4 * nt + 2 * h], x1 = acc[4 * nt + 2 * h + 1];
+        if (masked) {
+          x0 = tok0 + nt * 8 <= row_pos[h] ? x0 : NaNf();
+          x1 = tok0 + nt * 8 + 1 <= row_pos[h] ? x1 : NaNf();
         }
+        mrow[h] = MaxSkipNaN(mrow[h], MaxSkipNaN(x0, x1));
       }
     }
-    __syncthreads();  // this stage is refilled two iterations on
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = mrow[h];
+      m = MaxSkipNaN(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = MaxSkipNaN(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const int r = row0 + warp * 16 + g + 8 * h;
+      if (t == 0 && r < rows && int64_t{b} * kBlockSize <= row_pos[h]) {
+        scores[s.score_offset + int64_t{r} * s.visible_blocks + b] = m == m ? m : kEmptyScore;
+      }
+    }
   }
+  CpAsyncWait<0>();  // no copy outlives the CTA
 }
 
-__global__ void __launch_bounds__(256)
+// Four CTAs per multiprocessor (64 registers; the shared memory allows four at up to 4096 keys).
+__global__ void __launch_bounds__(256, 4)
     PrefillTopkKernel(const SpanDesc* spans, int num_spans, const float* scores,
                       PageTableParams pt) {
   extern __shared__ uint64_t keys[];
@@ -198,7 +244,13 @@ __global__ void __launch_bounds__(256)
   const int rows_per_group = TopkRowsPerGroup(s.visible_blocks);
   const int r0 = (blockIdx.x - s.topk_group_begin) * rows_per_group;
   const int rows = s.num_tokens * s.num_heads;
-  SelectRows<false>(s, scores, r0, min(rows_per_group, rows - r0), NextPow2(s.visible_blocks), keys, pt);
+  const int n = NextPow2(s.visible_blocks);
+  if (n <= 64 && s.topk <= 32) {
+    SelectShortRows(s, scores, r0, min(rows_per_group, rows - r0));
+    WritePageTables(s, r0, min(rows_per_group, rows - r0), pt);
+  } else {
+    SelectRows<false>(s, scores, r0, min(rows_per_group, rows - r0), n, keys, pt);
+  }
 }
 
 }  // namespace indexer::kernels::cuda

@@ -25,8 +25,8 @@ SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vecto
   }
   SpanDesc* d = b.descs.data();
   b.decode = PlanDecode(std::span<SpanDesc>(d, b.n_decode), num_sms, DecodeChunkBlocks(head_dim, storage));
-  b.prefill = PlanPrefill(std::span<SpanDesc>(d + b.n_decode, b.n_prefill), head_dim);
-  b.exact = PlanPrefill(std::span<SpanDesc>(d + b.n_decode + b.n_prefill, b.n_exact), head_dim);
+  b.prefill = PlanPrefill(std::span<SpanDesc>(d + b.n_decode, b.n_prefill), PrefillRowTile(head_dim));
+  b.exact = PlanPrefill(std::span<SpanDesc>(d + b.n_decode + b.n_prefill, b.n_exact), ExactRowTile(head_dim));
   return b;
 }
 

@@ -74,8 +74,9 @@ struct PrefillPlan {
   int32_t max_visible_blocks = 0;
 };
 
-// Score units are (row tile, block chunk) pairs; top-k groups are runs of `rows_per_group(V)` rows.
-PrefillPlan PlanPrefill(std::span<SpanDesc> spans, int head_dim);
+// Score units are (row tile, block chunk) pairs, `row_tile` rows each (PrefillRowTile for the
+// prefill scorer, ExactRowTile for the exact one); top-k groups are runs of `rows_per_group(V)` rows.
+PrefillPlan PlanPrefill(std::span<SpanDesc> spans, int row_tile);
 
 // Which selector a span takes (the CUDA backend decides per span, on the host).
 enum class SpanPath { kDecode, kPrefill, kExact };
@@ -145,7 +146,9 @@ enum DecodeTimelineSlot {
   kTimelineSelected, kTimelineShared, kTimelineEnd, kDecodeTimelineSlots
 };
 
-// Query rows per prefill score CTA for a head dimension.
-INDEXER_HD int PrefillRowTile(int head_dim) { return head_dim == 256 ? 64 : 128; }
+// Query rows per prefill score CTA (PrefillShape::kRowsPerCta) and per exact score CTA for a
+// head dimension.
+INDEXER_HD constexpr int PrefillRowTile(int /*head_dim*/) { return 128; }
+INDEXER_HD constexpr int ExactRowTile(int head_dim) { return head_dim == 256 ? 64 : 128; }
 
 }  // namespace indexer::kernels::cuda

@@ -33,9 +33,8 @@ DecodePlan PlanDecode(std::span<SpanDesc> spans, int num_sms, int max_chunk_bloc
   return plan;
 }
 
-PrefillPlan PlanPrefill(std::span<SpanDesc> spans, int head_dim) {
+PrefillPlan PlanPrefill(std::span<SpanDesc> spans, int row_tile) {
   PrefillPlan plan;
-  const int row_tile = PrefillRowTile(head_dim);
   for (SpanDesc& s : spans) {
     s.visible_blocks = static_cast<int32_t>(VisibleBlocks(s.start_pos + s.num_tokens - 1));
     s.row_tiles = (s.Rows() + row_tile - 1) / row_tile;

@@ -37,6 +37,23 @@ __device__ __forceinline__ uint64_t WarpSortLanesDesc(uint64_t x) {
   return x;
 }
 
+// The 32 largest of 64 keys, two per lane (any order), in registers: lane i returns the i-th
+// largest. Each half is sorted across the warp (the second reversed), so that the larger key of
+// each lane's pair forms a bitonic sequence holding the top 32; one more merge sorts it. Called by
+// all 32 lanes.
+__device__ __forceinline__ uint64_t WarpTop32Of64(uint64_t a, uint64_t b) {
+  const int lane = threadIdx.x & 31;
+  a = WarpSortLanesDesc(a);
+  b = __shfl_sync(0xffffffffu, WarpSortLanesDesc(b), 31 - lane);  // ascending by lane
+  uint64_t x = max(a, b);
+#pragma unroll
+  for (int j = 16; j > 0; j >>= 1) {
+    const uint64_t other = __shfl_xor_sync(0xffffffffu, x, j);
+    x = (lane & j) == 0 ? max(x, other) : min(x, other);
+  }
+  return x;
+}
+
 // The rank of the lane's key in the warp, descending (0: the largest), ties to the lower lane:
 // the 32 ranks are a permutation of 0..31. Called by all 32 lanes. Independent shuffles, no
 // chain of dependent exchange stages like WarpSortLanesDesc's: selecting by rank is the cheaper
@@ -270,6 +287,11 @@ __device__ __forceinline__ void SelectFromSharedKeys(const SpanDesc& s, int row_
       const int rank = WarpRankDesc(x);
       if (rank < topk) s.block_ids[int64_t{row} * topk + rank] = rank < v && rank < kk ? SelectionKeyBlock(x) : -1;
       for (int j = 32 + lane; j < topk; j += 32) s.block_ids[int64_t{row} * topk + j] = -1;
+    } else if (n == 64 && kk <= 32) {
+      // Two keys per lane, sorted in registers (a shared-memory sort of the row took four times
+      // the instructions: the prefill top-k of 32768 rows of 64 blocks was issue-bound).
+      const uint64_t x = WarpTop32Of64(keys[(r << log_n) + lane], keys[(r << log_n) + 32 + lane]);
+      if (lane < topk) s.block_ids[int64_t{row} * topk + lane] = lane < v && lane < kk ? SelectionKeyBlock(x) : -1;
     } else if (n <= 64 || (n <= kWarpCandidates && kk > 32)) {
       // Short rows: sort a copy of the whole row within the warp.
       for (int i = lane; i < max(n, 2); i += 32) candidates[i] = i < n ? keys[(r << log_n) + i] : 0;
@@ -522,6 +544,31 @@ __device__ __forceinline__ void WritePageTables(const SpanDesc& s, int row_begin
     const int64_t pos = s.start_pos + row / s.num_heads;
     WritePageTableRow(s.block_ids + int64_t{row} * topk, topk, pos, s.attn_pages, pt,
                       s.page_table + int64_t{row} * row_len, s.context_lens + row);
+  }
+}
+
+// Rows [row_begin, row_begin + rows) of a span whose rows see at most 64 blocks, topk <= 32: one
+// warp per row, its keys straight from global memory into registers (two per lane), ordered by
+// WarpTop32Of64; no shared memory and no barrier. Called by every thread (any block size).
+__device__ __forceinline__ void SelectShortRows(const SpanDesc& s, const float* scores, int row_begin, int rows) {
+  const int lane = threadIdx.x & 31;
+  const int warps = blockDim.x >> 5;
+  const int topk = s.topk;
+  const int init_blocks = s.init_blocks;
+  const int local_blocks = s.local_blocks;
+  const RowDivider per_head(s.num_heads);
+  for (int r = threadIdx.x >> 5; r < rows; r += warps) {
+    const int row = row_begin + r;
+    const int v = static_cast<int>((s.start_pos + per_head(row)) / kBlockSize) + 1;
+    const float* row_scores = scores + s.score_offset + int64_t{row} * s.visible_blocks;
+    // Branch-free, from valid addresses (the row's last block) either way.
+    const float x0 = __ldcg(row_scores + min(lane, v - 1));
+    const float x1 = __ldcg(row_scores + min(lane + 32, v - 1));
+    const uint64_t k0 = lane < v ? SelectionKey(ForcedScore(x0, lane, v, init_blocks, local_blocks), lane) : 0;
+    const uint64_t k1 =
+        lane + 32 < v ? SelectionKey(ForcedScore(x1, lane + 32, v, init_blocks, local_blocks), lane + 32) : 0;
+    const uint64_t x = WarpTop32Of64(k0, k1);
+    if (lane < topk) s.block_ids[int64_t{row} * topk + lane] = lane < v ? SelectionKeyBlock(x) : -1;
   }
 }
 

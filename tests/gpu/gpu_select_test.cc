@@ -316,6 +316,42 @@ TEST_F(GpuSelectTest, PrefillChunks) {
   }
 }
 
+// Rows that see 33 to 64 blocks (n = 64) with topk <= 32 are ordered in registers, two keys per
+// lane (WarpTop32Of64); topk 33 and more still sort in shared memory. Decode spans and a prefill
+// chunk whose rows start below 33 blocks and end at 64, integers (ties) and real values, forced
+// blocks, page tables.
+TEST_F(GpuSelectTest, RowsOf33To64Blocks) {
+  for (Values v : {Values::kIntegers, Values::kReal}) {
+    for (int topk : {1, 7, 16, 32, 33}) {
+      PoolCase c;
+      c.values = v;
+      for (int i = 0; i < 6; ++i) {
+        SpanCase d = RandomSpan(8192, 4, 8);
+        d.length = 4097 + static_cast<int64_t>(rng_() % 4096);
+        d.start_pos = -1;
+        d.params.topk = topk;
+        c.spans.push_back(d);
+      }
+      for (int64_t start : {3968, 7900}) {  // rows of 32 to 35, and of 62 to 64 visible blocks
+        SpanCase chunk;
+        chunk.start_pos = start;
+        chunk.num_tokens = static_cast<int>(std::min<int64_t>(300, 8192 - start));
+        chunk.length = start + chunk.num_tokens;
+        chunk.num_heads = 2;
+        chunk.params.topk = topk;
+        chunk.params.init_blocks = static_cast<int>(rng_() % 3);
+        chunk.params.local_blocks = static_cast<int>(rng_() % 3);
+        chunk.attn = true;
+        c.spans.push_back(chunk);
+      }
+      Run(c);
+      if (HasFatalFailure()) return;
+      Run(c, Path::kPrefillOnly, 1);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 // Several rows of 257 to 1024 visible blocks (n = 512 or 1024) take the decode selector's
 // threshold pass (topk <= 32): two warps per row for up to four rows, one warp per row and several
 // passes for more, speculative tokens whose rows end in different blocks. Integer values tie

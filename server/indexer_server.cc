@@ -114,7 +114,7 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(
                  stats.pages, stats.bytes, options.restore,
                  absl::ToDoubleSeconds(absl::Now() - start));
   }
-  s->executor_ = std::make_unique<RequestExecutor>(HandlerThreads(options));
+  s->executor_ = std::make_unique<RequestExecutor>(HandlerThreads(options), options.handler_spin_us);
   s->metrics_ = std::make_unique<ServiceMetrics>(s->engine_.get(), s->engine_->backend().name());
   s->engine_->SetObserver(s->metrics_.get());
   if (!options.metrics_listen.empty()) {

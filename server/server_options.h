@@ -20,6 +20,7 @@ struct ServerOptions {
   int cpu_devices = 1;             // simulated devices of the CPU backend (--cpu_devices)
   int64_t max_message_bytes = 64 << 20;
   int handler_threads = 0;         // 0 = auto (HandlerThreads)
+  int handler_spin_us = 0;         // idle handler threads poll this long before sleeping (RequestExecutor)
   double drain_seconds = 30;       // graceful shutdown: how long in-flight calls may take
   double not_serving_seconds = 1;  // graceful shutdown: NOT_SERVING before the listener closes
   std::string log_level = "info";  // trace | debug | info | warn | error | off

@@ -12,6 +12,7 @@
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/str_cat.h"
 #include "server/server_options.h"
 
 ABSL_DECLARE_FLAG(bool, batching);
@@ -21,6 +22,7 @@ ABSL_DECLARE_FLAG(int64_t, batch_queue_bound);
 ABSL_DECLARE_FLAG(int32_t, batch_max_inflight);
 ABSL_DECLARE_FLAG(std::string, devices);
 ABSL_DECLARE_FLAG(int32_t, cpu_devices);
+ABSL_DECLARE_FLAG(int32_t, handler_spin_us);
 
 namespace indexer::server {
 namespace {
@@ -81,6 +83,31 @@ TEST_F(OptionsTest, BatchingValuesOutOfRangeNameTheFlag) {
     EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
     EXPECT_THAT(std::string(o.status().message()), HasSubstr(c.message));
   }
+}
+
+TEST_F(OptionsTest, HandlerSpinDefaultRangeAndEnvironment) {
+  absl::StatusOr<ServerOptions> o = OptionsFromFlags();
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->handler_spin_us, 0);
+  EXPECT_THAT(Summary(*o), HasSubstr("handler_spin_us=0"));
+  absl::SetFlag(&FLAGS_handler_spin_us, 300);
+  o = OptionsFromFlags();
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->handler_spin_us, 300);
+  EXPECT_THAT(Summary(*o), HasSubstr("handler_spin_us=300"));
+  for (int bad : {-1, 10001}) {
+    absl::SetFlag(&FLAGS_handler_spin_us, bad);
+    o = OptionsFromFlags();
+    EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(o.status().message()),
+                HasSubstr(absl::StrCat("--handler_spin_us is ", bad, "; it must be in [0, 10000]")));
+  }
+  setenv("INDEXER_HANDLER_SPIN_US", "50", 1);
+  char arg0[] = "indexer-server";
+  char* argv[] = {arg0};
+  const std::vector<std::string> args = ArgsWithEnvironment(1, argv);
+  unsetenv("INDEXER_HANDLER_SPIN_US");
+  EXPECT_THAT(args, Contains("--handler_spin_us=50"));
 }
 
 TEST_F(OptionsTest, EnvironmentVariablesNameTheBatchingFlags) {

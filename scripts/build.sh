@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Configures and builds indexer into $BUILD_DIR (default ./build), Release, with the CUDA backend
-# when nvcc exists (CMAKE_CUDA_ARCHITECTURES defaults to 90a: H100/H200).
+# when nvcc exists (CMAKE_CUDA_ARCHITECTURES defaults to 90a-real;90-virtual: H100/H200 code, PTX for newer GPUs).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}

@@ -236,7 +236,14 @@ absl::Status CudaBackend::Init() {
   const int64_t topk_smem = kernels::cuda::TopkSharedBytes(
       static_cast<int32_t>(std::min<int64_t>(config_.MaxBlocksPerSequence(), 1 << 30)));
   const int64_t prefill_smem = kernels::cuda::PrefillSharedBytes(config_.head_dim, config_.key_storage);
-  if (std::max(topk_smem, prefill_smem) > static_cast<int64_t>(prop.sharedMemPerBlockOptin)) {
+  if (prefill_smem > static_cast<int64_t>(prop.sharedMemPerBlockOptin)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "head_dim %d with %s keys needs %d bytes of shared memory per block for the prefill scorer; "
+        "%s offers %d (an H100/H200 offers 232448)",
+        config_.head_dim, config_.key_storage == kernels::KeyStorage::kBf16 ? "bf16" : "fp8", prefill_smem, prop.name,
+        prop.sharedMemPerBlockOptin));
+  }
+  if (topk_smem > static_cast<int64_t>(prop.sharedMemPerBlockOptin)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "max_tokens_per_sequence %d needs %d bytes of shared memory per block for top-k; %s offers "
         "%d; lower max_tokens_per_sequence (2097152 fits an H100/H200)",

@@ -34,11 +34,12 @@ __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Makes this thread's generic-proxy writes to shared memory (st.shared, cp.async) visible to the
-// async proxy that wgmma reads through; then a barrier publishes them to the warpgroup.
+// async proxy that wgmma reads through; then a CTA barrier publishes them to every warpgroup.
 __device__ __forceinline__ void FenceProxyAsyncShared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-// Keeps the compiler from touching accumulator registers across an asynchronous wgmma.
+// Keeps the compiler from moving accumulator accesses across an asynchronous wgmma (used on every
+// accumulator register before WgmmaFence and after WgmmaWait).
 __device__ __forceinline__ void WgmmaFenceOperand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // d(64 x 128, fp32, per warp mma.sync's C fragment for each 8 columns: d[4j..4j+3] are columns

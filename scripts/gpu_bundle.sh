@@ -25,7 +25,7 @@ done
 cp -r "${SEED_BENCH_DIR:-$root/../shared/bench}" "$root/.device/bench"
 du -sh "$root/.device/bundle" "$root/.device/bench"
 # The device tool carries at most 64 MiB in all, more than the bundle unpacked: carry the archive
-# (.device/bundle.tgz and .device/bench); gpu_check.sh unpacks it when .device/bundle is absent.
+# (.device/bundle.tgz and .device/bench); gpu_check.sh unpacks it (afresh) when it is there.
 tar czf "$root/.device/bundle.tgz" -C "$root/.device" bundle
 kib=$(du -sck "$root/.device/bundle.tgz" "$root/.device/bench" | tail -n 1 | cut -f1)
 echo ".device/bundle.tgz and .device/bench: ${kib} KiB to carry"

@@ -26,7 +26,10 @@ what=${1:-all}
 out=${OUT:-$root/gpu-out}
 mkdir -p "$out"
 bundle=${BUNDLE:-.device/bundle}   # BUNDLE: another folder made like it
-if [ ! -d "$bundle" ] && [ -z "${BUNDLE:-}" ] && [ -f .device/bundle.tgz ]; then
+# The archive gpu_bundle.sh made, unpacked afresh each time: a GPU machine may keep an older
+# unpacked .device/bundle from an earlier call.
+if [ -z "${BUNDLE:-}" ] && [ -f .device/bundle.tgz ]; then
+  rm -rf .device/bundle
   tar xzf .device/bundle.tgz -C .device || { echo "cannot unpack .device/bundle.tgz" >&2; exit 1; }
 fi
 export LD_LIBRARY_PATH=$root/$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

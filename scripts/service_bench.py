@@ -83,6 +83,11 @@ def parse_args(argv):
                    help="warm-up seconds per case (default 1, quick 0.3)")
     p.add_argument("--capacity", default=None,
                    help="the server's --capacity (default 8GiB on cuda, 1GiB on cpu)")
+    p.add_argument("--multigpu-callers", type=int, default=32,
+                   help="concurrent callers of the multigpu cases (default 32; each holds 16 "
+                        "sequences of 128K tokens, 512 MiB of bf16 keys)")
+    p.add_argument("--multigpu-connections", type=int, default=None,
+                   help="HTTP/2 connections the multigpu callers share (default: one per 4 callers)")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
     return p.parse_args(argv)
 
@@ -114,14 +119,17 @@ def small_case(name, clients, length, server):
                                                    "echo server" if server == "echo" else "indexer")}
 
 
-def multigpu_case(name, server, workers, b, length):
+def multigpu_case(name, server, workers, b, length, connections):
     return {"name": name, "group": "multigpu", "server": server, "style": "batch", "batch": b,
-            "concurrency": workers, "prefill": length, "heads": 1,
+            "concurrency": workers, "prefill": length, "heads": 1, "connections": connections,
             "what": "%d x B=%d L=%s Batch, %s" % (workers, b, kib(length),
                                                  "one GPU" if server == "gpu1" else "all GPUs")}
 
 
-def all_cases(quick):
+def all_cases(quick, multigpu_callers=32, multigpu_connections=None):
+    # The multigpu callers share this many HTTP/2 connections (default one per 4 callers: on one
+    # connection gRPC's per-connection work caps the rate below what two GPUs serve).
+    conns = multigpu_connections or max(1, multigpu_callers // 4)
     if quick:
         return [
             decode_case("decode_b1_l1k_h1", 1, 1024, 1),
@@ -132,8 +140,8 @@ def all_cases(quick):
             unary_case("unary_16_l2k_off", 16, 2048, False),
             small_case("small_8_l512_indexer", 8, 512, "main"),
             small_case("small_8_l512_echo", 8, 512, "echo"),
-            multigpu_case("multigpu_1", "gpu1", 2, 4, 2048),
-            multigpu_case("multigpu_all", "gpuall", 2, 4, 2048),
+            multigpu_case("multigpu_1", "gpu1", 2, 4, 2048, 1),
+            multigpu_case("multigpu_all", "gpuall", 2, 4, 2048, 1),
         ]
     return [
         decode_case("decode_b1_l4k_h1", 1, 4096, 1),
@@ -151,8 +159,8 @@ def all_cases(quick):
         small_case("small_64_l1k_echo", 64, 1024, "echo"),
         # Long contexts and 32 callers, so that the GPUs, not the server's per-item work, bound
         # the rate (about 8 us of key streaming per item at 128K on one H200).
-        multigpu_case("multigpu_1", "gpu1", 32, 16, 131072),
-        multigpu_case("multigpu_all", "gpuall", 32, 16, 131072),
+        multigpu_case("multigpu_1", "gpu1", multigpu_callers, 16, 131072, conns),
+        multigpu_case("multigpu_all", "gpuall", multigpu_callers, 16, 131072, conns),
     ]
 
 
@@ -422,7 +430,12 @@ def main(argv):
     if args.capacity is None:
         args.capacity = "8GiB" if args.device == "cuda" else "1GiB"
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    cases = select_cases(all_cases(args.quick), args.cases, len(devices) >= 2)
+    if args.multigpu_callers < 1:
+        die("--multigpu-callers must be at least 1")
+    if args.multigpu_connections is not None and args.multigpu_connections < 1:
+        die("--multigpu-connections must be at least 1")
+    cases = select_cases(all_cases(args.quick, args.multigpu_callers, args.multigpu_connections),
+                         args.cases, len(devices) >= 2)
     if args.list:
         for c in cases:
             print("%-24s %-9s %s" % (c["name"], c["group"], c["what"]))

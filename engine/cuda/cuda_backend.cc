@@ -79,6 +79,43 @@ struct Lane {
   int graph_failures = 0;
 };
 
+// A fixed set of lanes, each held by one call at a time.
+struct LanePool {
+  std::vector<std::unique_ptr<Lane>> lanes;  // fixed after Init
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Lane*> free;  // guarded by mu
+  int busy = 0;             // guarded by mu
+  std::atomic<int> peak_busy{0};
+
+  // Waits while every lane is busy; the most recently released lane first (a lone caller keeps
+  // one lane, whose graphs stay warm).
+  Lane* Acquire() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return !free.empty(); });
+    Lane* lane = free.back();
+    free.pop_back();
+    ++busy;
+    if (busy > peak_busy.load(std::memory_order_relaxed)) peak_busy.store(busy, std::memory_order_relaxed);
+    return lane;
+  }
+  void Release(Lane* lane) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      free.push_back(lane);
+      --busy;
+    }
+    cv.notify_one();
+  }
+  absl::Status Add(int graphs_capacity, int stream_priority) {
+    auto lane = std::make_unique<Lane>(graphs_capacity);
+    INDEXER_RETURN_IF_ERROR(lane->stream.Create(stream_priority));
+    free.push_back(lane.get());
+    lanes.push_back(std::move(lane));
+    return absl::OkStatus();
+  }
+};
+
 class CudaBackend final : public KeyCacheBackend {
  public:
   CudaBackend(const EngineConfig& config, const DeviceSlot& slot, const CudaBackendOptions& options)
@@ -97,7 +134,8 @@ class CudaBackend final : public KeyCacheBackend {
     if (!entered_device_) return;
     // Free the streams, staging, graphs and pool on this backend's device.
     (void)cudaSetDevice(slot_.ordinal);
-    lanes_.clear();
+    lanes_.lanes.clear();
+    write_lanes_.lanes.clear();
     pool_.Reset();
     (void)cudaGetLastError();
   }
@@ -131,17 +169,17 @@ class CudaBackend final : public KeyCacheBackend {
   CudaBackendCounters counters() const;
 
  private:
-  // Holds one lane for a scope, waiting while every lane is busy.
+  // Holds one lane of `pool` for a scope, waiting while every lane is busy.
   class LaneLease {
    public:
-    explicit LaneLease(CudaBackend* backend) : backend_(backend), lane_(backend->AcquireLane()) {}
-    ~LaneLease() { backend_->ReleaseLane(lane_); }
+    explicit LaneLease(LanePool& pool) : pool_(pool), lane_(pool.Acquire()) {}
+    ~LaneLease() { pool_.Release(lane_); }
     LaneLease(const LaneLease&) = delete;
     LaneLease& operator=(const LaneLease&) = delete;
     Lane& lane() const { return *lane_; }
 
    private:
-    CudaBackend* backend_;
+    LanePool& pool_;
     Lane* lane_;
   };
 
@@ -151,8 +189,6 @@ class CudaBackend final : public KeyCacheBackend {
     return o;
   }
 
-  Lane* AcquireLane();
-  void ReleaseLane(Lane* lane);
   // Runs one call's `body`: refuses at once (the latched UNAVAILABLE status) once the device has
   // failed; when the body fails with a sticky CUDA error, latches failure_ and returns its status.
   template <typename Body>
@@ -204,12 +240,12 @@ class CudaBackend final : public KeyCacheBackend {
   DeviceBuffer pool_;  // allocated in Init, then only read and written through lanes' streams
   std::unique_ptr<std::atomic<float>[]> key_max_abs_;  // [layers]
 
-  std::vector<std::unique_ptr<Lane>> lanes_;  // fixed after Init
-  std::mutex lanes_mu_;
-  std::condition_variable lanes_cv_;
-  std::vector<Lane*> free_lanes_;  // guarded by lanes_mu_
-  int busy_lanes_ = 0;             // guarded by lanes_mu_
-  std::atomic<int> peak_busy_lanes_{0};
+  // Selections, page copies and transfers take a lane of lanes_. Key writes take one of
+  // write_lanes_, whose streams have the device's highest priority: a step's selections wait for
+  // its key writes, which must not wait for a lane that another call's selection holds, nor
+  // behind that selection's thread blocks on the GPU (docs/PERF.md, the two-GPU service runs).
+  LanePool lanes_;
+  LanePool write_lanes_;
 
   std::atomic<int64_t> selects_{0}, graph_launches_{0}, graph_builds_{0}, graph_node_updates_{0},
       graph_fallbacks_{0}, buffer_growths_{0};
@@ -261,40 +297,20 @@ absl::Status CudaBackend::Init() {
   }
   INDEXER_RETURN_IF_ERROR(pool_.Allocate(static_cast<size_t>(pool_bytes)));
   INDEXER_RETURN_IF_ERROR(CudaStatus(cudaMemset(pool_.get(), 0, pool_bytes), "cudaMemset(pool)"));
+  int least_priority = 0, greatest_priority = 0;
+  INDEXER_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority),
+                                     "cudaDeviceGetStreamPriorityRange"));
   for (int i = 0; i < options_.lanes; ++i) {
-    auto lane = std::make_unique<Lane>(options_.graphs_per_lane);
-    INDEXER_RETURN_IF_ERROR(lane->stream.Create());
-    free_lanes_.push_back(lane.get());
-    lanes_.push_back(std::move(lane));
+    INDEXER_RETURN_IF_ERROR(lanes_.Add(options_.graphs_per_lane, least_priority));
+    INDEXER_RETURN_IF_ERROR(write_lanes_.Add(1, greatest_priority));
   }
   device_name_ = absl::StrFormat(
-      "%s (device %d, sm_%d%d, %d SMs, %.0f GiB, pool %.2f GiB of pages [%d, %d), %d lanes, graphs %s)",
+      "%s (device %d, sm_%d%d, %d SMs, %.0f GiB, pool %.2f GiB of pages [%d, %d), %d lanes + %d "
+      "key-write lanes, graphs %s)",
       prop.name, slot_.ordinal, prop.major, prop.minor, prop.multiProcessorCount,
       total_bytes / 1073741824.0, pool_bytes / 1073741824.0, slot_.first_page,
-      slot_.first_page + pages_, options_.lanes, options_.use_graphs ? "on" : "off");
+      slot_.first_page + pages_, options_.lanes, options_.lanes, options_.use_graphs ? "on" : "off");
   return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-}
-
-Lane* CudaBackend::AcquireLane() {
-  std::unique_lock<std::mutex> lock(lanes_mu_);
-  lanes_cv_.wait(lock, [&] { return !free_lanes_.empty(); });
-  // The most recently released lane: a lone caller keeps one lane, whose graphs stay warm.
-  Lane* lane = free_lanes_.back();
-  free_lanes_.pop_back();
-  ++busy_lanes_;
-  if (busy_lanes_ > peak_busy_lanes_.load(std::memory_order_relaxed)) {
-    peak_busy_lanes_.store(busy_lanes_, std::memory_order_relaxed);
-  }
-  return lane;
-}
-
-void CudaBackend::ReleaseLane(Lane* lane) {
-  {
-    std::lock_guard<std::mutex> lock(lanes_mu_);
-    free_lanes_.push_back(lane);
-    --busy_lanes_;
-  }
-  lanes_cv_.notify_one();
 }
 
 absl::Status CudaBackend::ToLocal(int32_t id, int64_t* local, const char* what) const {
@@ -328,7 +344,7 @@ void CudaBackend::RaiseKeyMax(int layer, float m) {
 CudaBackendCounters CudaBackend::counters() const {
   CudaBackendCounters c;
   c.lanes = options_.lanes;
-  c.peak_busy_lanes = peak_busy_lanes_.load();
+  c.peak_busy_lanes = lanes_.peak_busy.load();
   c.selects = selects_.load();
   c.graph_launches = graph_launches_.load();
   c.graph_builds = graph_builds_.load();
@@ -339,7 +355,7 @@ CudaBackendCounters CudaBackend::counters() const {
 }
 
 absl::Status CudaBackend::WriteKeysOnDevice(const KeyWrite& w) {
-  LaneLease lease(this);
+  LaneLease lease(write_lanes_);
   INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   int64_t end = 0;
@@ -388,7 +404,7 @@ absl::Status CudaBackend::WriteKeysOnDevice(const KeyWrite& w) {
 absl::Status CudaBackend::WriteKeysBatchOnDevice(std::span<const KeyWrite> writes) {
   if (writes.empty()) return absl::OkStatus();
   if (writes.size() == 1) return WriteKeysOnDevice(writes[0]);
-  LaneLease lease(this);
+  LaneLease lease(write_lanes_);
   INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   const size_t n = writes.size();
@@ -465,7 +481,7 @@ absl::Status CudaBackend::CopyPageOnDevice(int32_t src, int32_t dst) {
   int64_t s = 0, t = 0;
   INDEXER_RETURN_IF_ERROR(ToLocal(src, &s, "page copy"));
   INDEXER_RETURN_IF_ERROR(ToLocal(dst, &t, "page copy"));
-  LaneLease lease(this);
+  LaneLease lease(lanes_);
   INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   char* base = pool_.get<char>();
@@ -490,7 +506,7 @@ absl::Status CudaBackend::TransferPages(std::span<const int32_t> pages, HostByte
   if (pages.empty()) return absl::OkStatus();
   std::vector<int32_t> local(pages.size());
   INDEXER_RETURN_IF_ERROR(ToLocal(pages.data(), static_cast<int64_t>(pages.size()), local.data(), what));
-  LaneLease lease(this);
+  LaneLease lease(lanes_);
   INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   const int64_t bytes_per_page = config_.layers * page_bytes_;
@@ -547,7 +563,7 @@ absl::Status CudaBackend::WritePagesOnDevice(std::span<const int32_t> pages, con
 absl::Status CudaBackend::SelectOnDevice(std::span<const SelectTask> tasks,
                                          const kernels::PageTableParams& pt) {
   if (tasks.empty()) return absl::OkStatus();
-  LaneLease lease(this);
+  LaneLease lease(lanes_);
   INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   const int d = config_.head_dim;

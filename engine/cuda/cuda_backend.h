@@ -6,7 +6,8 @@
 // Thread-safe and concurrent: every call takes one of the backend's lanes (each with its own
 // stream, pinned staging, device buffers, score scratch, counters and graph cache), waiting
 // while all are busy, so that concurrent selections overlap one's copies with another's
-// kernels. Every call makes the backend's device current on the calling thread once it holds
+// kernels. Key writes have lanes of their own (as many), on streams of the device's highest
+// priority, so that they never wait for a selection's lane nor queue behind its kernels. Every call makes the backend's device current on the calling thread once it holds
 // its lane (it does not restore the previous device: callers mixing devices set theirs before
 // each CUDA call),
 // and returns only once its work on the device is

@@ -91,8 +91,10 @@ class CudaStream {
   }
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
-  absl::Status Create() {
-    return CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  // `priority`: cudaStreamCreateWithPriority's (0 the default; lower numbers run first).
+  absl::Status Create(int priority = 0) {
+    return CudaStatus(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, priority),
+                      "cudaStreamCreateWithPriority");
   }
   cudaStream_t get() const { return stream_; }
 

@@ -78,10 +78,33 @@ std::vector<int64_t> Lengths(const DecodeCase& c) {
   return lens;
 }
 
+// Reads n 16-byte words (--flush=read: leaves L2 full of clean lines, where the memset leaves
+// dirty ones that the next kernel's misses must write back).
+__global__ void ReadAll(const uint4* p, int64_t n, unsigned* sink) {
+  unsigned x = 0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const uint4 v = __ldcg(p + i);
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x9e3779b9u) *sink = x;  // keeps the loads
+}
+
 struct Timer {
   cudaEvent_t start, stop;
   void* flush = nullptr;
   bool flush_enabled = true;
+  bool flush_by_reading = false;  // --flush=read
+  // Before each timed run: a 256 MB memset (as the seed's do_bench), or a read of 256 MB.
+  void Flush(int i, cudaStream_t s) {
+    if (!flush_enabled) return;
+    if (flush_by_reading) {
+      ReadAll<<<1024, 256, 0, s>>>(static_cast<const uint4*>(flush), kFlushBytes / 16,
+                                   static_cast<unsigned*>(flush));
+      CHECK_CUDA(cudaGetLastError());
+    } else {
+      CHECK_CUDA(cudaMemsetAsync(flush, i & 0xff, kFlushBytes, s));
+    }
+  }
   static constexpr size_t kFlushBytes = size_t{256} << 20;
   Timer() {
     CHECK_CUDA(cudaEventCreate(&start));
@@ -100,7 +123,7 @@ struct Timer {
     CHECK_CUDA(cudaStreamSynchronize(s));
     std::vector<float> ms(reps);
     for (int i = 0; i < reps; ++i) {
-      if (flush_enabled) CHECK_CUDA(cudaMemsetAsync(flush, i & 0xff, kFlushBytes, s));
+      Flush(i, s);
       CHECK_CUDA(cudaEventRecord(start, s));
       fn();
       CHECK_CUDA(cudaEventRecord(stop, s));
@@ -207,7 +230,7 @@ std::string TimelineLine(Workload& w, const kc::DecodePlan& plan, KeyStorage st,
   for (int run = 0; run < 21; ++run) {
     CHECK_CUDA(cudaMemsetAsync(d, 0, kc::kDecodeTimelineSlots * sizeof(unsigned long long), stream));
     CHECK_CUDA(cudaMemsetAsync(d, 0xff, sizeof(unsigned long long), stream));
-    if (timer.flush_enabled) CHECK_CUDA(cudaMemsetAsync(timer.flush, run & 0xff, Timer::kFlushBytes, stream));
+    timer.Flush(run, stream);
     CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs, static_cast<int>(w.descs.size()), plan, st, kD, pt,
                                       w.scores, w.counters, stream, d));
     unsigned long long h[kc::kDecodeTimelineSlots];
@@ -239,6 +262,7 @@ int main_impl(int argc, char** argv) {
   int reps = 200;
   int max_chunk = 0;  // 0: DecodeChunkBlocks, as the server
   bool flush = true;
+  bool flush_read = false;
   bool timeline = false;
   std::vector<DecodeCase> custom;
   for (int i = 1; i < argc; ++i) {
@@ -256,7 +280,8 @@ int main_impl(int argc, char** argv) {
           "  --reps=N                      timed runs per case (default 200)\n"
           "  --max-chunk=N                 decode: most blocks per CTA (default: 512 KB of keys, as\n"
           "                                the server)\n"
-          "  --flush=0|1                   flush L2 (256 MB memset) before every timed and timeline run (default 1)\n"
+          "  --flush=0|1|read              flush L2 before every timed and timeline run: 1 a 256 MB memset\n"
+          "                                (the default, as the seed's do_bench), read a 256 MB read\n"
           "  --peak-tbps=X                 memory bandwidth for the floor (default 4.8)\n"
           "  --timeline                    decode: also print where one run's time goes (%%globaltimer\n"
           "                                stamps: streaming, the last CTA's top-k phases)\n");
@@ -269,6 +294,7 @@ int main_impl(int argc, char** argv) {
       reps = std::max(5, std::atoi(val("--reps").c_str()));
     } else if (!val("--flush").empty()) {
       flush = val("--flush") != "0";
+      flush_read = val("--flush") == "read";
     } else if (!val("--max-chunk").empty()) {
       max_chunk = std::max(1, std::atoi(val("--max-chunk").c_str()));
     } else if (a == "--timeline") {
@@ -297,6 +323,7 @@ int main_impl(int argc, char** argv) {
   std::mt19937_64 rng(1234);
   Timer timer;
   timer.flush_enabled = flush;
+  timer.flush_by_reading = flush_read;
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const indexer::kernels::PageTableParams pt;

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -662,6 +663,65 @@ TEST_F(CudaLanesTest, SecondDevice) {
     const CudaBackendCounters n = Counters(*backends[dev]);
     EXPECT_EQ(n.graph_fallbacks, 0) << "device " << dev;
     EXPECT_EQ(n.graph_launches, n.selects) << "device " << dev;
+  }
+}
+
+
+// A key write needs no selection lane: on a backend of one lane, a write made while a long
+// selection holds that lane (and its kernel runs) returns before the selection does. Before the
+// write lanes, it waited for the lane, so it always returned after.
+TEST_F(CudaLanesTest, KeyWritesDoNotWaitForTheSelectionLane) {
+  EngineConfig config;
+  config.head_dim = 128;
+  config.layers = 1;
+  constexpr int kBlocks = 2048;  // every span reads the same 2048 pages (64 MiB of zero keys)
+  constexpr int kSpans = 512;    // 34 GB of key reads: milliseconds on any GPU
+  std::unique_ptr<KeyCacheBackend> backend = Backend(config, DeviceSlot{0, 0, kBlocks + 1}, 1, true);
+  ASSERT_NE(backend, nullptr);
+  std::vector<int32_t> table(kBlocks);
+  std::iota(table.begin(), table.end(), 0);
+  const std::vector<uint16_t> queries(config.head_dim, kernels::FloatToBf16(1.0f));
+  std::vector<int32_t> ids(int64_t{kSpans} * 16, -7);
+  std::vector<SelectTask> tasks(kSpans);
+  for (int i = 0; i < kSpans; ++i) {
+    kernels::SpanSelect& s = tasks[i].span;
+    s.block_table = table.data();
+    s.start_pos = int64_t{kBlocks} * kBlockSize - 1;
+    s.queries = queries.data();
+    s.params.topk = 16;
+    s.block_ids = ids.data() + int64_t{i} * 16;
+  }
+  const kernels::PageTableParams pt;
+  ASSERT_OK(backend->Select(std::span<const SelectTask>(tasks.data(), 1), pt));  // warm: graphs, buffers
+  const int32_t write_page = kBlocks;
+  const int64_t start = 0;
+  const std::vector<uint16_t> key(config.head_dim, kernels::FloatToBf16(2.0f));
+  const KeyWrite write{&write_page, 1, 0, 1, &start, key.data()};
+  ASSERT_OK(backend->WriteKeys(write));  // warm the write lane
+
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    const int before = Counters(*backend).selects;
+    std::atomic<bool> select_done{false};
+    absl::Status select_status;
+    std::thread selector([&] {
+      select_status = backend->Select(tasks, pt);
+      select_done.store(true);
+    });
+    // The selection holds the lane from its start; give it time to launch its kernel.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const absl::Status written = backend->WriteKeys(write);
+    const bool returned_first = !select_done.load();
+    selector.join();
+    ASSERT_OK(written);
+    ASSERT_OK(select_status);
+    ASSERT_EQ(Counters(*backend).selects, before + 1);
+    EXPECT_TRUE(returned_first) << "the key write returned only after the selection holding the lane";
+    // Zero keys everywhere it read: the forced local block first, then ties to the lowest ids.
+    for (int i = 0; i < kSpans; i += 97) {
+      EXPECT_EQ(ids[int64_t{i} * 16], kBlocks - 1) << "span " << i;
+      for (int j = 1; j < 16; ++j) EXPECT_EQ(ids[int64_t{i} * 16 + j], j - 1) << "span " << i;
+    }
   }
 }
 

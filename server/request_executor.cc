@@ -31,7 +31,6 @@ bool RequestExecutor::Spin(std::function<void()>* task) {
     return false;
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
-  bool got = false;
   for (int i = 0;; ++i) {
     if (queued_.load(std::memory_order_acquire) > 0) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -39,8 +38,11 @@ bool RequestExecutor::Spin(std::function<void()>* task) {
         *task = std::move(queue_.front());
         queue_.pop_front();
         queued_.fetch_sub(1, std::memory_order_relaxed);
-        got = true;
-        break;
+        // Counted out before the lock is released: a Submit that takes the lock next must not
+        // count this thread, now busy, as a spinner that will take its task (it would not wake
+        // a sleeper, and its task would wait for this one to finish).
+        spinners_.fetch_sub(1, std::memory_order_acq_rel);
+        return true;
       }
       if (stopping_) break;
     }
@@ -48,7 +50,7 @@ bool RequestExecutor::Spin(std::function<void()>* task) {
     if ((i & 63) == 63 && std::chrono::steady_clock::now() >= deadline) break;
   }
   spinners_.fetch_sub(1, std::memory_order_acq_rel);
-  return got;
+  return false;
 }
 
 void RequestExecutor::Work() {

@@ -6,12 +6,12 @@
 // Thread-safe and concurrent: every call takes one of the backend's lanes (each with its own
 // stream, pinned staging, device buffers, score scratch, counters and graph cache), waiting
 // while all are busy, so that concurrent selections overlap one's copies with another's
-// kernels. Key writes have lanes of their own (as many), on streams of the device's highest
-// priority, so that they never wait for a selection's lane nor queue behind its kernels. Every call makes the backend's device current on the calling thread once it holds
-// its lane (it does not restore the previous device: callers mixing devices set theirs before
-// each CUDA call),
-// and returns only once its work on the device is
-// complete, so what one call wrote is visible to any later call, whatever lane it takes.
+// kernels. Key writes have lanes of their own (as many, each with its own staging), on streams
+// of the device's highest priority, so that they never wait for a selection's lane nor queue
+// behind its kernels. Every call makes the backend's device current on the calling thread once
+// it holds its lane (it does not restore the previous device: callers mixing devices set theirs
+// before each CUDA call), and returns only once its work on the device is complete, so what one
+// call wrote is visible to any later call, whatever lane it takes.
 //
 // Page ids are global everywhere: KeyWrite and SelectTask block tables, CopyPage, ReadPages,
 // WritePages. The backend subtracts slot.first_page while staging; an id outside the slot is a
@@ -48,7 +48,7 @@ int CudaDeviceCount();
 
 // How a CudaBackend runs; EngineConfig does not carry these (they change no answer).
 struct CudaBackendOptions {
-  int lanes = 2;             // concurrent calls on the device (1 to 8)
+  int lanes = 2;             // concurrent calls on the device (1 to 8), and as many key writes
   bool use_graphs = true;    // one graph launch per selection step
   int graphs_per_lane = 64;  // LRU bound of each lane's graph cache
 
@@ -75,7 +75,7 @@ absl::StatusOr<std::unique_ptr<KeyCacheBackend>> MakeCudaBackend(const EngineCon
 // Monotonic counts of what a CudaBackend did, for tests and diagnostics.
 struct CudaBackendCounters {
   int lanes = 0;
-  int peak_busy_lanes = 0;         // most lanes ever held at once
+  int peak_busy_lanes = 0;         // most lanes ever held at once (key-write lanes not counted)
   int64_t selects = 0;             // Select calls that ran kernels
   int64_t graph_launches = 0;      // ... of which as one graph launch
   int64_t graph_builds = 0;        // graphs instantiated

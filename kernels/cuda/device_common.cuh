@@ -96,4 +96,10 @@ __device__ __forceinline__ unsigned long long GlobalTimer() {
   return t;
 }
 
+// Thread 0 writes the time into `stamps[slot]` (DecodeTimelineSlot, span_desc.h) when stamps is
+// set: the kernel benchmark's --timeline.
+__device__ __forceinline__ void Stamp(unsigned long long* stamps, int slot) {
+  if (stamps != nullptr && threadIdx.x == 0) stamps[slot] = GlobalTimer();
+}
+
 }  // namespace indexer::kernels::cuda

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/register_topk.cuh"
 #include "kernels/cuda/span_desc.h"
 
 namespace indexer::kernels::cuda {
@@ -13,29 +14,9 @@ namespace indexer::kernels::cuda {
 // 2j (i / j) + i % j, without the division.
 __device__ __forceinline__ int PairLow(int i, int j) { return ((i & ~(j - 1)) << 1) | (i & (j - 1)); }
 
-// Thread 0 writes the time into `stamps[slot]` (DecodeTimelineSlot) when stamps is set.
-__device__ __forceinline__ void Stamp(unsigned long long* stamps, int slot) {
-  if (stamps != nullptr && threadIdx.x == 0) stamps[slot] = GlobalTimer();
-}
-
 // Sorts one key per lane across the warp in registers, descending by lane (lane 0 holds the
 // largest). Called by all 32 lanes.
-__device__ __forceinline__ uint64_t WarpSortLanesDesc(uint64_t x) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int k = 2; k <= 32; k <<= 1) {
-#pragma unroll
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      const uint64_t other = __shfl_xor_sync(0xffffffffu, x, j);
-      // Runs of k alternate direction so that pairs of runs form bitonic sequences; the last
-      // stage (k == 32) sorts the whole warp descending.
-      const bool lower = (lane & j) == 0;
-      const bool descending = (lane & k) == 0 || k == 32;
-      x = lower == descending ? max(x, other) : min(x, other);
-    }
-  }
-  return x;
-}
+__device__ __forceinline__ uint64_t WarpSortLanesDesc(uint64_t x) { return WarpSortLanes(x, true); }
 
 // The 32 largest of 64 keys, two per lane (any order), in registers: lane i returns the i-th
 // largest. Each half is sorted across the warp (the second reversed), so that the larger key of
@@ -575,13 +556,24 @@ __device__ __forceinline__ void SelectShortRows(const SpanDesc& s, const float* 
 // Selects rows [row_begin, row_begin + rows) of span `s` from raw scores in global memory
 // (written by other CTAs: read through L2). `keys` is shared memory for rows * n keys, with
 // n = NextPow2(s.visible_blocks), followed by kWarpCandidates keys per warp. Called by every
-// thread of the CTA. kThreshold allows the threshold pass (the decode selector; the prefill top-k
-// kernel, with many CTAs per multiprocessor and rows too short or too many for it to pay, keeps
-// its registers for occupancy).
+// thread of the CTA. kThreshold allows the register path (register_topk.cuh) and the threshold
+// pass (the decode selector; the prefill top-k kernel, with many CTAs per multiprocessor and rows
+// too short or too many for them to pay, keeps its registers for occupancy).
 template <bool kThreshold>
 __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* scores, int row_begin,
                                            int rows, int n, uint64_t* keys, PageTableParams pt,
                                            unsigned long long* stamps = nullptr) {
+  if constexpr (kThreshold) {
+    // Up to 8 rows with NextPow2(rows) * n <= 4096, topk <= 16: in registers.
+    const RegisterTopKShape shape = RegisterTopKLayout(rows, n, s.topk);
+    if (shape.vectors != 0) {
+      SelectRowsInRegisters(s, scores, row_begin, rows, shape, keys, stamps);
+      Stamp(stamps, kTimelineShared);
+      WritePageTables(s, row_begin, rows, pt);
+      Stamp(stamps, kTimelineEnd);
+      return;
+    }
+  }
   // The threshold pass where it pays (the H200 timeline): several rows of 512 or 1024 blocks
   // (shorter rows and single rows select as fast from shared memory), topk <= 32; two warps per
   // row for up to four rows, else one. Otherwise one pass of every row through shared memory.

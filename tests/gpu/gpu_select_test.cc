@@ -1,7 +1,7 @@
 // The CUDA selectors against the CPU reference (kernels/cpu_reference.h) on fresh random inputs
 // every run: odd shapes, ragged batches of 1 to 733 spans, lengths from 1 to 262144 with partial
 // pages, ties, NaN, forced blocks, n > 1, prefill chunks, bf16 and fp8, head_dim 64/128/256, and
-// each top-k path (whole-row sorts, warp thresholds, the threshold pass and its fallback).
+// each top-k path (whole-row sorts, warp thresholds, registers, the threshold pass and its fallback).
 // Outputs are poisoned before each launch. Skips (with a message) where no GPU is usable.
 #include <gtest/gtest.h>
 
@@ -349,6 +349,60 @@ TEST_F(GpuSelectTest, RowsOf33To64Blocks) {
       Run(c, Path::kPrefillOnly, 1);
       if (HasFatalFailure()) return;
     }
+  }
+}
+
+// Up to 8 rows with NextPow2(rows) * n <= 4096 and topk <= 16 select in registers
+// (register_topk.cuh): one warp per row and 1 to 16 key vectors (a threshold and its fallback from
+// 4 on), or two to eight warps per row merged through shared memory. Rows of 1 to 4097 blocks
+// around every power of two, 1 to 8 rows (tokens of one span end in different blocks), topk on
+// both sides of 16, and shapes one step past the path's bound (which take the threshold pass or
+// the shared-memory selection).
+TEST_F(GpuSelectTest, RegisterTopKRowsAroundItsBounds) {
+  const int64_t lengths[] = {1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025};
+  for (Values v : {Values::kIntegers, Values::kReal}) {
+    for (int topk : {1, 5, 16, 17}) {
+      PoolCase c;
+      c.values = v;
+      for (int rows : {1, 2, 3, 4, 5, 8}) {
+        const int rows_pow2 = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
+        for (int i = 0; i < 3; ++i) {
+          int64_t blocks = 0;
+          do {
+            blocks = lengths[rng_() % std::size(lengths)];
+          } while (rows_pow2 * blocks > 8192);
+          SpanCase s;
+          // Whole rows as heads of one token, or as tokens (up to 8) that straddle a block end.
+          s.num_tokens = (i % 2) == 0 ? 1 : rows;
+          s.num_heads = rows / s.num_tokens;
+          s.length = std::max<int64_t>(s.num_tokens, 128 * (blocks - 1) + 1 + static_cast<int64_t>(rng_() % 128));
+          s.params.topk = topk;
+          s.params.init_blocks = static_cast<int>(rng_() % 3);
+          s.params.local_blocks = static_cast<int>(rng_() % 3);
+          s.attn = (rng_() % 2) == 0;
+          c.spans.push_back(s);
+        }
+      }
+      Run(c);
+      if (HasFatalFailure()) return;
+    }
+    // Longer rows at head_dim 64 (smaller pages): one row of up to 4096 blocks and one past it,
+    // two rows of up to 2048 blocks.
+    PoolCase c;
+    c.head_dim = 64;
+    c.values = v;
+    for (const auto [rows, blocks] : {std::pair{1, 2049 + static_cast<int64_t>(rng_() % 2048)}, std::pair{1, int64_t{4097}},
+                                      std::pair{2, 1025 + static_cast<int64_t>(rng_() % 1024)}}) {
+      SpanCase s;
+      s.num_tokens = rows;
+      s.length = 128 * (blocks - 1) + 1 + static_cast<int64_t>(rng_() % 128);
+      s.params.topk = 1 + static_cast<int>(rng_() % 16);
+      s.params.init_blocks = static_cast<int>(rng_() % 3);
+      s.params.local_blocks = static_cast<int>(rng_() % 3);
+      c.spans.push_back(s);
+    }
+    Run(c);
+    if (HasFatalFailure()) return;
   }
 }
 

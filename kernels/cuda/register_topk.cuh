@@ -1,0 +1,229 @@
+// Top-k of short rows in registers, for the decode selector's last CTA (topk.cuh's SelectRows
+// calls it): SPEC.md steps 3-4 for up to 8 rows with NextPow2(rows) * n <= 4096 (n = NextPow2(V):
+// one row of up to 4096 visible blocks, four of up to 1024, eight of up to 512) and topk <= 16.
+//
+// A row's keys lie across the lanes of its warps as vectors of 32, one key per lane each; bitonic
+// networks of shuffles sort each vector and fold them into the warp's 32 largest, and one more
+// round through shared memory merges the row's warps. No shared-memory pass over the keys, no
+// candidate lists, and no barrier where one warp holds a whole row: the H200 timeline showed the
+// last CTA of a span of four rows of 256 blocks spending about 4.6 µs in the shared-memory
+// selection, every phase of it a chain of dependent loads and shuffles of one warp per row.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/span_desc.h"
+
+namespace indexer::kernels::cuda {
+
+// The largest topk SelectRowsInRegisters takes, and the most key vectors (32 keys each) one warp
+// holds: NextPow2(rows) * n <= 4096 per 8 warps.
+inline constexpr int kRegisterTopK = 16;
+inline constexpr int kRegisterVectors = 16;
+// Shared memory SelectRowsInRegisters needs, in keys: 16 per warp for the warps' lists, then
+// 32 * kRegisterVectors per warp for each warp's own buffer.
+inline constexpr int kRegisterTopKSmemKeys = 8 * 16 + 8 * 32 * kRegisterVectors;
+
+// One compare-exchange step across lanes at distance j: the lane keeps the larger key of its pair
+// when `keep_max`, else the smaller. One 64-bit comparison and one select (a max and a min and a
+// select of the two was twice the instructions, and this code is issue-bound). Called by all 32
+// lanes.
+__device__ __forceinline__ uint64_t LaneExchange(uint64_t x, int j, bool keep_max) {
+  const uint64_t other = __shfl_xor_sync(0xffffffffu, x, j);
+  return (other > x) == keep_max ? other : x;
+}
+
+// Sorts one key per lane across the warp: descending by lane (lane 0 holds the largest) when
+// `desc`, else ascending. Called by all 32 lanes.
+__device__ __forceinline__ uint64_t WarpSortLanes(uint64_t x, bool desc) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 2; k <= 32; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      // Runs of k alternate direction so that pairs of runs form bitonic sequences; the last
+      // stage (k == 32) sorts the whole warp in the direction asked.
+      const bool run_desc = k == 32 ? desc : (lane & k) == 0;
+      x = LaneExchange(x, j, ((lane & j) == 0) == run_desc);
+    }
+  }
+  return x;
+}
+
+// Sorts a bitonic sequence of one key per lane: descending by lane when `desc`. Called by all 32
+// lanes.
+__device__ __forceinline__ uint64_t WarpMergeLanes(uint64_t x, bool desc) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 16; j > 0; j >>= 1) x = LaneExchange(x, j, ((lane & j) == 0) == desc);
+  return x;
+}
+
+// Folds M sorted vectors (x[v] descending by lane for even v, ascending for odd v; M a power of
+// two) into x[0]: the 32 largest keys of all, descending by lane. The elementwise maximum of a
+// descending and an ascending vector is a bitonic sequence holding the larger half of the two, so
+// each fold is one merge. Called by all 32 lanes.
+template <int M>
+__device__ __forceinline__ void WarpFoldVectors(uint64_t (&x)[M]) {
+#pragma unroll
+  for (int s = 1; s < M; s <<= 1) {
+#pragma unroll
+    for (int v = 0; v < M; v += 2 * s) x[v] = WarpMergeLanes(max(x[v], x[v + s]), ((v / (2 * s)) & 1) == 0);
+  }
+}
+
+// How SelectRowsInRegisters lays out `rows` rows of n = NextPow2(V) keys over 8 warps: `warps`
+// warps per row, `vectors` vectors of 32 keys per warp. vectors is 0 where the path does not apply.
+struct RegisterTopKShape {
+  int warps = 1;
+  int vectors = 0;
+};
+__device__ __forceinline__ RegisterTopKShape RegisterTopKLayout(int rows, int n, int topk) {
+  RegisterTopKShape shape;
+  if (rows < 1 || rows > 8 || topk > kRegisterTopK || NextPow2(rows) * n > 32 * 8 * kRegisterVectors ||
+      blockDim.x != 256) {
+    return shape;
+  }
+  shape.warps = max(1, min(8 / NextPow2(rows), n / 32));
+  shape.vectors = max(1, n / (32 * shape.warps));
+  return shape;
+}
+
+// The final merge of a row's `warps` (2, 4 or 8) warp lists of 16 keys each (shared memory,
+// descending), by the row's first warp: pairs of lists form bitonic vectors (the second list
+// reversed on lanes 16 to 31), which WarpFoldVectors folds. Lanes 0 to 15 return the row's 16
+// largest keys, descending.
+template <int P>
+__device__ __forceinline__ uint64_t MergeWarpLists(const uint64_t* lists) {
+  const int lane = threadIdx.x & 31;
+  uint64_t y[P];
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    y[j] = lane < 16 ? lists[(2 * j) * 16 + lane] : lists[(2 * j + 1) * 16 + (31 - lane)];
+  }
+#pragma unroll
+  for (int j = 0; j < P; ++j) y[j] = WarpMergeLanes(y[j], (j & 1) == 0);
+  WarpFoldVectors<P>(y);
+  return y[0];
+}
+
+// Loads one warp's M vectors of row `row`'s keys (block b = (i * warps + warp_in_row) * 32 + lane
+// for vector i: each load instruction reads 128 contiguous bytes) and returns the warp's 16
+// largest keys on lanes 0 to 15, descending (lanes 16 to 31: smaller keys or 0). `buffer` is this
+// warp's 32 keys of shared memory. Called by all 32 lanes.
+//
+// Four vectors and more go through a threshold first: the 16th largest of the lanes' maxima is at
+// most the warp's 16th largest key, so the warp's top 16 are among the keys at or above it, which
+// are usually a few more than 16. Up to 32 of them are gathered one per lane and sorted: two sorts
+// of one vector instead of M sorts and M - 1 merges. More (ties, or keys in few lanes) merge all M
+// vectors in turn.
+template <int M>
+__device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* scores, int row, int64_t v,
+                                               int warps, int warp_in_row, uint64_t* buffer) {
+  const int lane = threadIdx.x & 31;
+  const float* row_scores = scores + s.score_offset + int64_t{row} * s.visible_blocks;
+  const int visible = s.visible_blocks;
+  float raw[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    // Branch-free, from a valid address either way (the span's first score).
+    const int b = (i * warps + warp_in_row) * 32 + lane;
+    raw[i] = __ldcg(b < visible ? row_scores + b : scores + s.score_offset);
+  }
+  uint64_t x[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    const int b = (i * warps + warp_in_row) * 32 + lane;
+    // 0 is below every real key: padding sorts last.
+    x[i] = b < v ? SelectionKey(ForcedScore(raw[i], b, v, s.init_blocks, s.local_blocks), b) : 0;
+  }
+  if constexpr (M >= 4) {
+    uint64_t mx = x[0];
+#pragma unroll
+    for (int i = 1; i < M; ++i) mx = max(mx, x[i]);
+    const uint64_t threshold = __shfl_sync(0xffffffffu, WarpSortLanes(mx, true), 15);
+    unsigned pass[M];
+    int count = 0;
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      pass[i] = __ballot_sync(0xffffffffu, x[i] != 0 && x[i] >= threshold);
+      count += __popc(pass[i]);
+    }
+    if (count <= 32) {  // the same for every lane
+      const unsigned below = (1u << lane) - 1u;
+      int base = 0;
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        if ((pass[i] >> lane) & 1u) buffer[base + __popc(pass[i] & below)] = x[i];
+        base += __popc(pass[i]);
+      }
+      __syncwarp();
+      const uint64_t y = lane < count ? buffer[lane] : 0;
+      return WarpSortLanes(y, true);
+    }
+    // Too many: every vector through the buffer, sorted and merged into the running top 32 in
+    // turn (a loop: the rare path keeps its code small).
+#pragma unroll
+    for (int i = 0; i < M; ++i) buffer[i * 32 + lane] = x[i];
+    __syncwarp();
+    uint64_t top = WarpSortLanes(buffer[lane], true);
+#pragma unroll 1
+    for (int i = 1; i < M; ++i) top = WarpMergeLanes(max(top, WarpSortLanes(buffer[i * 32 + lane], false)), true);
+    return top;
+  } else {
+#pragma unroll
+    for (int i = 0; i < M; ++i) x[i] = WarpSortLanes(x[i], (i & 1) == 0);
+    WarpFoldVectors<M>(x);
+    return x[0];
+  }
+}
+
+// Selects rows [row_begin, row_begin + rows) of span `s` (n = NextPow2(V), layout `shape` from
+// RegisterTopKLayout, vectors != 0) from raw scores in global memory, written by other CTAs (read
+// through L2), writing their block ids. `lists` is shared memory for kRegisterTopKSmemKeys keys
+// that no thread reads any more (the caller's barrier). Called by every thread of the CTA (256
+// threads).
+__device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const float* scores, int row_begin,
+                                                      int rows, RegisterTopKShape shape, uint64_t* lists,
+                                                      unsigned long long* stamps) {
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int r = warp / shape.warps;
+  const int warp_in_row = warp - r * shape.warps;
+  const bool active = r < rows;
+  const int row = row_begin + min(r, rows - 1);
+  const int64_t v = (s.start_pos + row / s.num_heads) / kBlockSize + 1;
+  uint64_t top = 0;
+  if (active) {
+    uint64_t* buffer = lists + 8 * 16 + warp * 32 * kRegisterVectors;
+    switch (shape.vectors) {
+      case 1: top = WarpRowTop<1>(s, scores, row, v, shape.warps, warp_in_row, buffer); break;
+      case 2: top = WarpRowTop<2>(s, scores, row, v, shape.warps, warp_in_row, buffer); break;
+      case 4: top = WarpRowTop<4>(s, scores, row, v, shape.warps, warp_in_row, buffer); break;
+      case 8: top = WarpRowTop<8>(s, scores, row, v, shape.warps, warp_in_row, buffer); break;
+      default: top = WarpRowTop<16>(s, scores, row, v, shape.warps, warp_in_row, buffer); break;
+    }
+  }
+  Stamp(stamps, kTimelineThreshold);
+  if (shape.warps > 1) {
+    if (active && lane < 16) lists[warp * 16 + lane] = top;
+    __syncthreads();
+    if (active && warp_in_row == 0) {
+      const uint64_t* row_lists = lists + warp * 16;
+      switch (shape.warps) {
+        case 2: top = MergeWarpLists<1>(row_lists); break;
+        case 4: top = MergeWarpLists<2>(row_lists); break;
+        default: top = MergeWarpLists<4>(row_lists); break;
+      }
+    }
+  }
+  Stamp(stamps, kTimelineSelected);
+  // Lanes 0 to 15 hold the row's 16 largest keys in order; past its v real keys, -1.
+  const int topk = s.topk;
+  if (active && warp_in_row == 0 && lane < topk) {
+    s.block_ids[int64_t{row} * topk + lane] = lane < v ? SelectionKeyBlock(top) : -1;
+  }
+}
+
+}  // namespace indexer::kernels::cuda

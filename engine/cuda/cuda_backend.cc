@@ -569,13 +569,14 @@ absl::Status CudaBackend::SelectOnDevice(std::span<const SelectTask> tasks,
   const int d = config_.head_dim;
   const size_t m = tasks.size();
 
-  // One upload: [descriptors][block tables][attention pages][queries]; one download: results.
+  // One upload: [descriptors and decode index][block tables][attention pages][queries]; one
+  // download: results.
   struct Offsets {
     int64_t bt, attn, q, ids, table, ctx;
     int64_t v;
   };
   std::vector<Offsets> off(m);
-  int64_t in = Align(static_cast<int64_t>(m * sizeof(SpanDesc)), 256);
+  int64_t in = Align(static_cast<int64_t>(kernels::cuda::SelectBatchDeviceBytes(m)), 256);
   int64_t out = 0;
   for (size_t i = 0; i < m; ++i) {
     const kernels::SpanSelect& s = tasks[i].span;
@@ -636,7 +637,7 @@ absl::Status CudaBackend::SelectOnDevice(std::span<const SelectTask> tasks,
   }
   const kernels::cuda::SelectBatch batch =
       kernels::cuda::PlanSelectBatch(descs, paths, num_sms_, d, config_.key_storage);
-  std::memcpy(h, batch.descs.data(), m * sizeof(SpanDesc));
+  batch.WriteDevice(h);
   INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_scores, batch.ScoreFloats() * 4));
   cudaStream_t st = lane.stream.get();
   const size_t counter_bytes = std::max<size_t>(batch.n_decode, 1) * sizeof(int);

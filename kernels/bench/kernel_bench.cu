@@ -144,6 +144,7 @@ struct Workload {
   uint16_t* queries = nullptr;
   int32_t* ids = nullptr;
   SpanDesc* d_descs = nullptr;
+  void* d_index = nullptr;  // the decode index (WriteDecodeIndex) of d_descs
   float* scores = nullptr;
   int* counters = nullptr;
 
@@ -189,6 +190,10 @@ struct Workload {
   void Upload(int64_t score_floats) {
     CHECK_CUDA(cudaMalloc(&d_descs, descs.size() * sizeof(SpanDesc)));
     CHECK_CUDA(cudaMemcpy(d_descs, descs.data(), descs.size() * sizeof(SpanDesc), cudaMemcpyHostToDevice));
+    std::vector<unsigned char> index(kc::DecodeIndexBytes(descs.size()));
+    kc::WriteDecodeIndex(descs, index.data());
+    CHECK_CUDA(cudaMalloc(&d_index, index.size()));
+    CHECK_CUDA(cudaMemcpy(d_index, index.data(), index.size(), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMalloc(&scores, std::max<int64_t>(score_floats, 1) * 4));
     CHECK_CUDA(cudaMalloc(&counters, descs.size() * 4));
     CHECK_CUDA(cudaMemset(counters, 0, descs.size() * 4));
@@ -214,6 +219,7 @@ struct Workload {
     cudaFree(queries);
     cudaFree(ids);
     cudaFree(d_descs);
+    cudaFree(d_index);
     cudaFree(scores);
     cudaFree(counters);
   }
@@ -231,7 +237,7 @@ std::string TimelineLine(Workload& w, const kc::DecodePlan& plan, KeyStorage st,
     CHECK_CUDA(cudaMemsetAsync(d, 0, kc::kDecodeTimelineSlots * sizeof(unsigned long long), stream));
     CHECK_CUDA(cudaMemsetAsync(d, 0xff, sizeof(unsigned long long), stream));
     timer.Flush(run, stream);
-    CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs, static_cast<int>(w.descs.size()), plan, st, kD, pt,
+    CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs, w.d_index, static_cast<int>(w.descs.size()), plan, st, kD, pt,
                                       w.scores, w.counters, stream, d));
     unsigned long long h[kc::kDecodeTimelineSlots];
     CHECK_CUDA(cudaMemcpyAsync(h, d, sizeof(h), cudaMemcpyDeviceToHost, stream));
@@ -344,7 +350,7 @@ int main_impl(int argc, char** argv) {
                                                    max_chunk > 0 ? max_chunk : kc::DecodeChunkBlocks(kD, st));
         w.Upload(plan.score_floats);
         const auto launch = [&] {
-          CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs, static_cast<int>(w.descs.size()), plan, st, kD, pt,
+          CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs, w.d_index, static_cast<int>(w.descs.size()), plan, st, kD, pt,
                                             w.scores, w.counters, stream));
         };
         const double eager = timer.Median(launch, 20, reps, stream);

@@ -29,7 +29,9 @@ inline constexpr int kDecodeWarps = 8;  // = tiles of 16 tokens per 128-token bl
 
 struct DecodeParams {
   const SpanDesc* spans;
+  const unsigned char* index;  // WriteDecodeIndex's image of `spans`
   int num_spans;
+  int chunk_blocks;  // every span's (PlanDecode gives them all the same)
   float* scores;
   int* counters;
   PageTableParams pt;
@@ -38,6 +40,9 @@ struct DecodeParams {
   // several spans, their last CTAs overwrite each other's top-k stamps.
   unsigned long long* timeline;
 };
+
+// Bytes of shared memory for a unit's page ids (16-byte aligned, for what follows them).
+INDEXER_HD constexpr int64_t DecodePageIdBytes(int chunk_blocks) { return (int64_t{chunk_blocks} * 4 + 15) / 16 * 16; }
 
 // The span whose units contain `unit`: the last span with unit_begin <= unit.
 __device__ __forceinline__ int FindSpan(const SpanDesc* spans, int num_spans, int unit,
@@ -55,20 +60,50 @@ __device__ __forceinline__ int FindSpan(const SpanDesc* spans, int num_spans, in
   return lo;
 }
 
-// FindSpan for the decode selector, by all 32 lanes of one warp: 32 probes per round, so two
-// dependent loads for up to 1024 spans instead of ten. Every lane returns the answer.
-__device__ __forceinline__ int FindSpanWarp(const SpanDesc* spans, int num_spans, int unit) {
+// What FindDecodeSpan finds for a work unit: its span, the span's first unit, visible blocks and
+// block table (device).
+struct DecodeUnitSpan {
+  int span;
+  int unit_begin;
+  int visible_blocks;
+  const int32_t* block_table;
+};
+
+// The span of work unit `unit`, by all 32 lanes of one warp, from the decode index (span_desc.h:
+// WriteDecodeIndex) of `num_spans` spans; every lane returns the answer. Rounds of 32 probes narrow
+// the candidates to 64 consecutive spans, whose fields the last round loads, two spans per lane,
+// in one round trip: one round in all for up to 64 spans, two for up to 2048.
+__device__ __forceinline__ DecodeUnitSpan FindDecodeSpan(const unsigned char* index, int num_spans, int unit) {
   const int lane = threadIdx.x & 31;
-  int lo = 0, end = num_spans;  // the answer is in [lo, end); spans[lo].unit_begin <= unit
-  while (end - lo > 1) {
+  const auto* tables = reinterpret_cast<const int32_t* const*>(index);
+  const int32_t* begins = reinterpret_cast<const int32_t*>(index + 8 * int64_t{num_spans});
+  const int32_t* visible = begins + num_spans;
+  int lo = 0, end = num_spans;  // the answer is in [lo, end); begins[lo] <= unit
+  while (end - lo > 64) {
     const int step = (end - lo + 31) / 32;
     const int idx = lo + lane * step;
-    const bool ok = idx < end && spans[idx].unit_begin <= unit;
-    const int last = 31 - __clz(__ballot_sync(0xffffffffu, ok));
-    lo += last * step;
+    const bool ok = idx < end && begins[idx] <= unit;
+    lo += (31 - __clz(__ballot_sync(0xffffffffu, ok))) * step;
     end = min(end, lo + step);
   }
-  return lo;
+  // Branch-free loads from valid addresses (the last candidate's past the end).
+  const int i0 = min(lo + lane, end - 1);
+  const int i1 = min(lo + 32 + lane, end - 1);
+  const int b0 = begins[i0], b1 = begins[i1];
+  const int v0 = visible[i0], v1 = visible[i1];
+  const int32_t* t0 = tables[i0];
+  const int32_t* t1 = tables[i1];
+  const unsigned m0 = __ballot_sync(0xffffffffu, lo + lane < end && b0 <= unit);
+  const unsigned m1 = __ballot_sync(0xffffffffu, lo + 32 + lane < end && b1 <= unit);
+  const bool second = m1 != 0;  // lane 0's first candidate (lo) always qualifies
+  const int src = 31 - __clz(second ? m1 : m0);
+  DecodeUnitSpan found;
+  found.span = lo + (second ? 32 : 0) + src;
+  found.unit_begin = __shfl_sync(0xffffffffu, second ? b1 : b0, src);
+  found.visible_blocks = __shfl_sync(0xffffffffu, second ? v1 : v0, src);
+  found.block_table = reinterpret_cast<const int32_t*>(
+      __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(second ? t1 : t0), src));
+  return found;
 }
 
 template <int D, KeyStorage S>
@@ -123,10 +158,25 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   if (p.timeline != nullptr && threadIdx.x == 0) atomicMin(p.timeline + kTimelineStart, GlobalTimer());
+  // The unit's page ids, fetched by warp 0 in the same round trip as the span's descriptor: every
+  // load is issued before any store waits for one (a store right after its load would hold the
+  // next load back a round trip).
+  int32_t* pages = reinterpret_cast<int32_t*>(smem + Shape::kStageBytes);
   if (warp == 0) {
-    const int span = FindSpanWarp(p.spans, p.num_spans, blockIdx.x);
-    if (lane == 0) s_span = span;
-    (void)CopySpanDesc(p.spans, span, s_desc);
+    const DecodeUnitSpan u = FindDecodeSpan(p.index, p.num_spans, blockIdx.x);
+    const int first = (blockIdx.x - u.unit_begin) * p.chunk_blocks;
+    const int count = min(p.chunk_blocks, u.visible_blocks - first);
+    // Branch-free, from valid addresses (the unit's first page id) either way.
+    const int32_t page0 = u.block_table[first + (lane < count ? lane : 0)];
+    const int32_t page1 = u.block_table[first + (lane + 32 < count ? lane + 32 : 0)];
+    constexpr int kDescWords = sizeof(SpanDesc) / 4;
+    static_assert(sizeof(SpanDesc) % 4 == 0 && kDescWords <= 32, "one descriptor word per lane");
+    const int32_t word = reinterpret_cast<const int32_t*>(p.spans + u.span)[lane < kDescWords ? lane : 0];
+    if (lane < count) pages[lane] = page0;
+    if (lane + 32 < count) pages[lane + 32] = page1;
+    if (lane < kDescWords) reinterpret_cast<int32_t*>(s_desc)[lane] = word;
+    for (int i = 64 + lane; i < count; i += 32) pages[i] = u.block_table[first + i];  // units past 64 blocks
+    if (lane == 0) s_span = u.span;
   }
   __syncthreads();
   const SpanDesc& s = *reinterpret_cast<const SpanDesc*>(s_desc);
@@ -144,13 +194,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   const int b_end = min(b_begin + s.chunk_blocks, visible_blocks);
   const char* key_pool = static_cast<const char*>(s.keys);
   const uint16_t* queries = s.queries;
-  // The unit's page ids, read once by all threads together.
-  int32_t* pages = reinterpret_cast<int32_t*>(smem + Shape::kStageBytes + 2 * kDecodeWarps * rows * 4);
-  {
-    const int32_t* block_table = s.block_table;
-    for (int i = threadIdx.x; i < b_end - b_begin; i += blockDim.x) pages[i] = block_table[b_begin + i];
-  }
-  __syncthreads();
 
   // Stage ring: block b sits in stage (b - b_begin) % kStages. Every thread copies the chunks
   // threadIdx.x + 256 i of a page, so a warp instruction reads 512 contiguous bytes. Chunk
@@ -197,7 +240,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   }
 
   // Per-warp maxima of the last two blocks: [2][8 warps][rows].
-  float* part = reinterpret_cast<float*>(smem + Shape::kStageBytes);
+  float* part = reinterpret_cast<float*>(smem + Shape::kStageBytes + DecodePageIdBytes(p.chunk_blocks));
   // Block bb's scores from its per-warp maxima (after a barrier that follows their writes): thread
   // `col` < rows (at most 32) writes row col's score, for the blocks its token sees.
   static_assert(NT * 8 <= kDecodeWarps * 32, "one thread per row flushes its scores");

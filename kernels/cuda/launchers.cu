@@ -152,7 +152,7 @@ cudaError_t LaunchAppendKeysBatch(const AppendArgs* d_writes, int count, int64_t
   });
 }
 
-cudaError_t DescribeDecodeSelect(const SpanDesc* spans, int num_spans, const DecodePlan& plan,
+cudaError_t DescribeDecodeSelect(const SpanDesc* spans, const void* index, int num_spans, const DecodePlan& plan,
                                  KeyStorage storage, int head_dim, PageTableParams pt,
                                  float* scores, int* counters, LaunchList* out,
                                  unsigned long long* timeline) {
@@ -162,16 +162,18 @@ cudaError_t DescribeDecodeSelect(const SpanDesc* spans, int num_spans, const Dec
   const int64_t topk_bytes = TopkSharedBytes(plan.max_visible_blocks);
   return INDEXER_DISPATCH_HEAD_DIM(head_dim, D, [&] {
     return INDEXER_DISPATCH_STORAGE(storage, S, [&]() -> cudaError_t {
-      // Shared memory: the stage ring, the per-warp maxima of two blocks and the unit's page
-      // ids, reused for the top-k keys of the final selection.
-      const int64_t stream_bytes = DecodeShape<D, S>::kStageBytes + int64_t{2} * kDecodeWarps * plan.max_rows * 4 +
-                                   int64_t{plan.max_chunk_blocks} * 4;
+      // Shared memory: the stage ring, the unit's page ids and the per-warp maxima of two blocks,
+      // reused for the top-k keys of the final selection.
+      const int64_t stream_bytes = DecodeShape<D, S>::kStageBytes + DecodePageIdBytes(plan.max_chunk_blocks) +
+                                   int64_t{2} * kDecodeWarps * plan.max_rows * 4;
       const int64_t smem = std::max<int64_t>(stream_bytes, topk_bytes);
       // Zeroed first: padding bytes too, so that equal launches have equal argument bytes.
       DecodeParams params;
       std::memset(static_cast<void*>(&params), 0, sizeof(params));
       params.spans = spans;
+      params.index = static_cast<const unsigned char*>(index);
       params.num_spans = num_spans;
+      params.chunk_blocks = plan.max_chunk_blocks;
       params.scores = scores;
       params.counters = counters;
       params.pt = pt;
@@ -218,12 +220,12 @@ cudaError_t DescribeExactSelect(const SpanDesc* spans, int num_spans, const Pref
   return DescribeTopk(spans, num_spans, plan.total_topk_groups, plan.max_visible_blocks, pt, scores, out);
 }
 
-cudaError_t LaunchDecodeSelect(const SpanDesc* spans, int num_spans, const DecodePlan& plan,
+cudaError_t LaunchDecodeSelect(const SpanDesc* spans, const void* index, int num_spans, const DecodePlan& plan,
                                KeyStorage storage, int head_dim, PageTableParams pt,
                                float* scores, int* counters, cudaStream_t stream,
                                unsigned long long* timeline) {
   LaunchList list;
-  const cudaError_t err = DescribeDecodeSelect(spans, num_spans, plan, storage, head_dim, pt, scores,
+  const cudaError_t err = DescribeDecodeSelect(spans, index, num_spans, plan, storage, head_dim, pt, scores,
                                                counters, &list, timeline);
   return err != cudaSuccess ? err : list.Enqueue(stream);
 }

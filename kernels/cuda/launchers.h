@@ -108,15 +108,15 @@ struct LaunchList {
 
 // Fused decode selection for spans with at most MaxDecodeRows(head_dim) rows each: scores and
 // top-k (and page tables) in one launch. `spans` (device) was planned by PlanDecode; `plan` is
-// its host result. `scores` holds plan.score_floats floats; `counters` holds num_spans ints, zero
+// its host result; `index` (device) is WriteDecodeIndex's image of the same spans. `scores` holds plan.score_floats floats; `counters` holds num_spans ints, zero
 // before the first launch (each launch leaves them zero). Describes nothing when there is no work.
 // `timeline`, for the kernel benchmark only (nullptr elsewhere), receives kDecodeTimelineSlots
 // %globaltimer stamps (decode_select.cuh says which); slot 0 must start at ~0ull, the rest at 0.
-cudaError_t DescribeDecodeSelect(const SpanDesc* spans, int num_spans, const DecodePlan& plan,
+cudaError_t DescribeDecodeSelect(const SpanDesc* spans, const void* index, int num_spans, const DecodePlan& plan,
                                  KeyStorage storage, int head_dim, PageTableParams pt,
                                  float* scores, int* counters, LaunchList* out,
                                  unsigned long long* timeline = nullptr);
-cudaError_t LaunchDecodeSelect(const SpanDesc* spans, int num_spans, const DecodePlan& plan,
+cudaError_t LaunchDecodeSelect(const SpanDesc* spans, const void* index, int num_spans, const DecodePlan& plan,
                                KeyStorage storage, int head_dim, PageTableParams pt,
                                float* scores, int* counters, cudaStream_t stream,
                                unsigned long long* timeline = nullptr);

@@ -116,8 +116,8 @@ __device__ __forceinline__ uint64_t MergeWarpLists(const uint64_t* lists) {
 // Four vectors and more go through a threshold first: the 16th largest of the lanes' maxima is at
 // most the warp's 16th largest key, so the warp's top 16 are among the keys at or above it, which
 // are usually a few more than 16. Up to 32 of them are gathered one per lane and sorted: two sorts
-// of one vector instead of M sorts and M - 1 merges. More (ties, or keys in few lanes) merge all M
-// vectors in turn.
+// of one vector instead of M sorts and M - 1 merges (up to 64: two vectors). More (ties, or keys
+// in few lanes) merge all M vectors in turn.
 template <int M>
 __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* scores, int row, int64_t v,
                                                int warps, int warp_in_row, uint64_t* buffer) {
@@ -150,7 +150,7 @@ __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* s
       pass[i] = __ballot_sync(0xffffffffu, x[i] != 0 && x[i] >= threshold);
       count += __popc(pass[i]);
     }
-    if (count <= 32) {  // the same for every lane
+    if (count <= 64) {  // the same for every lane
       const unsigned below = (1u << lane) - 1u;
       int base = 0;
 #pragma unroll
@@ -159,8 +159,11 @@ __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* s
         base += __popc(pass[i]);
       }
       __syncwarp();
-      const uint64_t y = lane < count ? buffer[lane] : 0;
-      return WarpSortLanes(y, true);
+      if (count <= 32) return WarpSortLanes(lane < count ? buffer[lane] : 0, true);
+      // 33 to 64 (with 16 vectors, a few rows in a hundred): two vectors.
+      uint64_t y[2] = {WarpSortLanes(buffer[lane], true), WarpSortLanes(lane + 32 < count ? buffer[lane + 32] : 0, false)};
+      WarpFoldVectors<2>(y);
+      return y[0];
     }
     // Too many: every vector through the buffer, sorted and merged into the running top 32 in
     // turn (a loop: the rare path keeps its code small).

@@ -1,6 +1,7 @@
 #include "kernels/cuda/select_batch.h"
 
 #include <algorithm>
+#include <cstring>
 #include <span>
 
 #include "kernels/cuda/launchers.h"
@@ -9,6 +10,14 @@ namespace indexer::kernels::cuda {
 
 int64_t SelectBatch::ScoreFloats() const {
   return std::max({decode.score_floats, prefill.score_floats, exact.score_floats, int64_t{1}});
+}
+
+size_t SelectBatch::DeviceBytes() const { return descs.size() * sizeof(SpanDesc) + DecodeIndexBytes(n_decode); }
+
+void SelectBatch::WriteDevice(void* host) const {
+  std::memcpy(host, descs.data(), descs.size() * sizeof(SpanDesc));
+  WriteDecodeIndex(std::span<const SpanDesc>(descs.data(), n_decode),
+                   static_cast<unsigned char*>(host) + descs.size() * sizeof(SpanDesc));
 }
 
 SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
@@ -33,8 +42,8 @@ SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vecto
 cudaError_t DescribeSelectBatch(const SelectBatch& b, const SpanDesc* d_descs, KeyStorage storage,
                                 int head_dim, PageTableParams pt, float* scores, int* counters,
                                 LaunchList* out) {
-  cudaError_t err = DescribeDecodeSelect(d_descs, static_cast<int>(b.n_decode), b.decode, storage,
-                                         head_dim, pt, scores, counters, out);
+  cudaError_t err = DescribeDecodeSelect(d_descs, d_descs + b.descs.size(), static_cast<int>(b.n_decode),
+                                         b.decode, storage, head_dim, pt, scores, counters, out);
   if (err != cudaSuccess) return err;
   err = DescribePrefillSelect(d_descs + b.n_decode, static_cast<int>(b.n_prefill), b.prefill,
                               storage, head_dim, pt, scores, out);

@@ -20,14 +20,21 @@ struct SelectBatch {
   DecodePlan decode;
   PrefillPlan prefill, exact;
   int64_t ScoreFloats() const;
+  // The batch's device image, which callers upload and whose device address they pass as
+  // `d_descs` below: the descriptors, then the decode spans' index (DecodeIndexBytes).
+  size_t DeviceBytes() const;
+  void WriteDevice(void* host) const;
 };
+
+// DeviceBytes of any batch of `spans` spans, at most (for staging sized before the plan).
+inline size_t SelectBatchDeviceBytes(size_t spans) { return spans * sizeof(SpanDesc) + DecodeIndexBytes(spans); }
 
 // `spans` in the caller's order with their paths (ChoosePath); plans every group.
 SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
                             int num_sms, int head_dim, KeyStorage storage);
 
 // Describes the launches of the groups of `batch` (appended to *out, in stream order), whose
-// descriptors are at `d_descs` (device, same order as batch.descs). `scores` holds
+// device image (WriteDevice) is at `d_descs`. `scores` holds
 // batch.ScoreFloats() floats; `counters` batch.n_decode ints, zero. The groups share `scores`:
 // they must run one after the other on one stream (or as a chain of graph nodes).
 cudaError_t DescribeSelectBatch(const SelectBatch& batch, const SpanDesc* d_descs, KeyStorage storage,

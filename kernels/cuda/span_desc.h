@@ -6,6 +6,7 @@
 #pragma once
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 
@@ -61,6 +62,17 @@ INDEXER_HD int DecodeChunkBlocks(int head_dim, KeyStorage storage) {
   const int blocks = (512 * 1024) / page_bytes;
   return blocks < 4 ? 4 : (blocks > 64 ? 64 : blocks);
 }
+
+// The decode selector's index of its spans, in device memory right after the batch's descriptors
+// (SelectBatch::WriteDevice): for every decode span, in arrays, its block table, its first work
+// unit and its visible blocks. A CTA finds its span and the start of its page ids in one round
+// trip through it (one warp probing 64 consecutive spans touches four cache lines; in the
+// descriptors, 64), then fetches its page ids while its descriptor arrives. Layout for n spans:
+// const int32_t* block_table[n], int32_t unit_begin[n], int32_t visible_blocks[n].
+inline size_t DecodeIndexBytes(size_t n) { return n * 16; }
+
+// Writes the index of `planned` (PlanDecode's output) into `out` (DecodeIndexBytes bytes).
+void WriteDecodeIndex(std::span<const SpanDesc> planned, void* out);
 
 // Splits every span's blocks into work units of chunk_blocks blocks (one CTA each), chosen so that
 // the whole batch spreads over `num_sms` multiprocessors whatever the mix of lengths.

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "kernels/cuda/span_desc.h"
 
@@ -31,6 +32,17 @@ DecodePlan PlanDecode(std::span<SpanDesc> spans, int num_sms, int max_chunk_bloc
     plan.max_visible_blocks = std::max(plan.max_visible_blocks, s.visible_blocks);
   }
   return plan;
+}
+
+void WriteDecodeIndex(std::span<const SpanDesc> planned, void* out) {
+  const size_t n = planned.size();
+  auto* base = static_cast<unsigned char*>(out);
+  for (size_t i = 0; i < n; ++i) {
+    const SpanDesc& s = planned[i];
+    std::memcpy(base + 8 * i, &s.block_table, 8);
+    std::memcpy(base + 8 * n + 4 * i, &s.unit_begin, 4);
+    std::memcpy(base + 12 * n + 4 * i, &s.visible_blocks, 4);
+  }
 }
 
 PrefillPlan PlanPrefill(std::span<SpanDesc> spans, int row_tile) {

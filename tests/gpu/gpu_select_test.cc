@@ -114,7 +114,9 @@ class GpuSelectTest : public ::testing::Test {
     int sms = 0;
     CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const kernels::cuda::SelectBatch batch = kernels::cuda::PlanSelectBatch(spans, paths, sms, d, c.storage);
-    upload(descs, batch.descs.data(), batch.descs.size() * sizeof(SpanDesc));
+    std::vector<unsigned char> image(batch.DeviceBytes());
+    batch.WriteDevice(image.data());
+    upload(descs, image.data(), image.size());
     ASSERT_TRUE(scores.Allocate(batch.ScoreFloats() * 4).ok());
     ASSERT_TRUE(counters.Allocate(std::max<size_t>(batch.n_decode, 1) * 4).ok());
     CUDA_OK(cudaMemset(counters.get(), 0, counters.bytes()));

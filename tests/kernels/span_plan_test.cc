@@ -1,8 +1,10 @@
 // The CUDA selectors' launch planners (kernels/cuda/span_desc.h), plain C++: every visible block
-// of every span belongs to exactly one decode work unit, units stay within the cap, and a long
-// span spreads over the GPU next to short ones. Runs without a GPU.
+// of every span belongs to exactly one decode work unit, units stay within the cap, a long span
+// spreads over the GPU next to short ones, and the decode index holds what the plan says. Runs
+// without a GPU.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -108,6 +110,36 @@ TEST(PlanDecodeTest, OneLongSpanSpreadsOverTheGpu) {
   EXPECT_EQ(4, spans[1].chunk_blocks);
   EXPECT_EQ(256, spans[1].block_chunks);
   EXPECT_EQ(1, spans[0].block_chunks);
+}
+
+// The decode index (WriteDecodeIndex) holds, in arrays, each planned span's block table, first
+// unit and visible blocks; the decode selector takes every span's unit size from the plan, so the
+// planner must give all spans the same.
+TEST(DecodeIndexTest, ArraysMatchThePlannedSpans) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<int32_t> tables(4096);
+  for (int round = 0; round < 20; ++round) {
+    std::vector<SpanDesc> spans(1 + rng() % 700);
+    for (SpanDesc& s : spans) {
+      s.start_pos = static_cast<int64_t>(rng() % 300000);
+      s.block_table = tables.data() + rng() % tables.size();
+    }
+    const DecodePlan plan = PlanDecode(spans, 132, 16);
+    std::vector<unsigned char> index(kernels::cuda::DecodeIndexBytes(spans.size()));
+    kernels::cuda::WriteDecodeIndex(spans, index.data());
+    const size_t n = spans.size();
+    for (size_t i = 0; i < n; ++i) {
+      const int32_t* table = nullptr;
+      int32_t begin = 0, visible = 0;
+      std::memcpy(&table, index.data() + 8 * i, 8);
+      std::memcpy(&begin, index.data() + 8 * n + 4 * i, 4);
+      std::memcpy(&visible, index.data() + 12 * n + 4 * i, 4);
+      ASSERT_EQ(spans[i].block_table, table) << "span " << i;
+      ASSERT_EQ(spans[i].unit_begin, begin) << "span " << i;
+      ASSERT_EQ(spans[i].visible_blocks, visible) << "span " << i;
+      ASSERT_EQ(plan.max_chunk_blocks, spans[i].chunk_blocks) << "span " << i;
+    }
+  }
 }
 
 }  // namespace

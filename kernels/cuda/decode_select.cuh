@@ -2,7 +2,9 @@
 // CTA that finishes one of its blocks. One launch per batch.
 //
 // Work: every span's visible blocks are cut into units of chunk_blocks blocks; one CTA (8 warps)
-// per unit, so a long span spreads over the whole GPU next to short ones. The CTA streams its
+// per unit, so a long span spreads over the whole GPU next to short ones. Warp 0 finds its unit's
+// span through the decode index (span_desc.h), then loads the unit's page ids and the span's
+// descriptor together: two round trips before the first copy. The CTA streams its
 // blocks' key pages into a ring of shared-memory stages with cp.async (each warp instruction
 // copies 512 contiguous bytes; kStages pages, 64 to 96 KB, in flight per CTA: docs/PERF.md has
 // the streaming probe that chose this over register loads and bulk copies). Warp w scores

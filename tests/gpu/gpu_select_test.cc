@@ -147,6 +147,13 @@ class GpuSelectTest : public ::testing::Test {
     }
   }
 
+  // 0 to 2 forced initial and local blocks, and a page table or none, at random.
+  void RandomForcingAndTable(SpanCase& s) {
+    s.params.init_blocks = static_cast<int>(rng_() % 3);
+    s.params.local_blocks = static_cast<int>(rng_() % 3);
+    s.attn = (rng_() % 2) == 0;
+  }
+
   SpanCase RandomSpan(int64_t max_len, int max_n, int max_rows) {
     return ::indexer::testing::RandomSpan(rng_, max_len, max_n, max_rows);
   }
@@ -379,9 +386,7 @@ TEST_F(GpuSelectTest, RegisterTopKRowsAroundItsBounds) {
           s.num_heads = rows / s.num_tokens;
           s.length = std::max<int64_t>(s.num_tokens, 128 * (blocks - 1) + 1 + static_cast<int64_t>(rng_() % 128));
           s.params.topk = topk;
-          s.params.init_blocks = static_cast<int>(rng_() % 3);
-          s.params.local_blocks = static_cast<int>(rng_() % 3);
-          s.attn = (rng_() % 2) == 0;
+          RandomForcingAndTable(s);
           c.spans.push_back(s);
         }
       }
@@ -399,8 +404,7 @@ TEST_F(GpuSelectTest, RegisterTopKRowsAroundItsBounds) {
       s.num_tokens = rows;
       s.length = 128 * (blocks - 1) + 1 + static_cast<int64_t>(rng_() % 128);
       s.params.topk = 1 + static_cast<int>(rng_() % 16);
-      s.params.init_blocks = static_cast<int>(rng_() % 3);
-      s.params.local_blocks = static_cast<int>(rng_() % 3);
+      RandomForcingAndTable(s);
       c.spans.push_back(s);
     }
     Run(c);
@@ -432,9 +436,7 @@ TEST_F(GpuSelectTest, ThresholdPassLongRowsAndTies) {
       }
       const int topks[] = {1, 5, 16, 32};
       s.params.topk = topks[rng_() % 4];
-      s.params.init_blocks = static_cast<int>(rng_() % 3);
-      s.params.local_blocks = static_cast<int>(rng_() % 3);
-      s.attn = (rng_() % 2) == 0;
+      RandomForcingAndTable(s);
       c.spans.push_back(s);
     }
     Run(c);

@@ -184,9 +184,8 @@ __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* s
 
 // Selects rows [row_begin, row_begin + rows) of span `s` (n = NextPow2(V), layout `shape` from
 // RegisterTopKLayout, vectors != 0) from raw scores in global memory, written by other CTAs (read
-// through L2), writing their block ids. `lists` is shared memory for kRegisterTopKSmemKeys keys
-// that no thread reads any more (the caller's barrier). Called by every thread of the CTA (256
-// threads).
+// through L2), writing their block ids. `lists` is shared memory for kRegisterTopKSmemKeys keys.
+// Called by every thread of the CTA (256 threads).
 __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const float* scores, int row_begin,
                                                       int rows, RegisterTopKShape shape, uint64_t* lists,
                                                       unsigned long long* stamps) {
@@ -197,6 +196,9 @@ __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const f
   const bool active = r < rows;
   const int row = row_begin + min(r, rows - 1);
   const int64_t v = (s.start_pos + row / s.num_heads) / kBlockSize + 1;
+  // A pass of several may follow another (the decode selector's passes of rows_per_pass rows)
+  // whose warps still read the shared memory this one writes.
+  __syncthreads();
   uint64_t top = 0;
   if (active) {
     uint64_t* buffer = lists + 8 * 16 + warp * 32 * kRegisterVectors;

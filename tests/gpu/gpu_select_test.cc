@@ -394,17 +394,21 @@ TEST_F(GpuSelectTest, RegisterTopKRowsAroundItsBounds) {
       if (HasFatalFailure()) return;
     }
     // Longer rows at head_dim 64 (smaller pages): one row of up to 4096 blocks and one past it,
-    // two rows of up to 2048 blocks.
+    // two rows of up to 2048 blocks, and two of up to 4096 without page tables, which the decode
+    // selector's last CTA takes in two passes of one row (its shared memory holds one such row).
     PoolCase c;
     c.head_dim = 64;
     c.values = v;
     for (const auto [rows, blocks] : {std::pair{1, 2049 + static_cast<int64_t>(rng_() % 2048)}, std::pair{1, int64_t{4097}},
-                                      std::pair{2, 1025 + static_cast<int64_t>(rng_() % 1024)}}) {
+                                      std::pair{2, 1025 + static_cast<int64_t>(rng_() % 1024)},
+                                      std::pair{-2, 2049 + static_cast<int64_t>(rng_() % 2048)}}) {
       SpanCase s;
-      s.num_tokens = rows;
+      s.num_tokens = rows > 0 ? rows : 1;
+      s.num_heads = rows > 0 ? 1 : -rows;  // -2: two heads of one token
       s.length = 128 * (blocks - 1) + 1 + static_cast<int64_t>(rng_() % 128);
       s.params.topk = 1 + static_cast<int>(rng_() % 16);
       RandomForcingAndTable(s);
+      if (rows < 0) s.attn = false;  // no page-table barrier between the passes
       c.spans.push_back(s);
     }
     Run(c);

@@ -111,7 +111,7 @@ __device__ __forceinline__ uint64_t MergeWarpLists(const uint64_t* lists) {
 // Loads one warp's M vectors of row `row`'s keys (block b = (i * warps + warp_in_row) * 32 + lane
 // for vector i: each load instruction reads 128 contiguous bytes) and returns the warp's 16
 // largest keys on lanes 0 to 15, descending (lanes 16 to 31: smaller keys or 0). `buffer` is this
-// warp's 32 keys of shared memory. Called by all 32 lanes.
+// warp's 32 * kRegisterVectors keys of shared memory. Called by all 32 lanes.
 //
 // Four vectors and more go through a threshold first: the 16th largest of the lanes' maxima is at
 // most the warp's 16th largest key, so the warp's top 16 are among the keys at or above it, which
@@ -160,7 +160,7 @@ __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* s
       }
       __syncwarp();
       if (count <= 32) return WarpSortLanes(lane < count ? buffer[lane] : 0, true);
-      // 33 to 64 (with 16 vectors, a few rows in a hundred): two vectors.
+      // 33 to 64: two vectors.
       uint64_t y[2] = {WarpSortLanes(buffer[lane], true), WarpSortLanes(lane + 32 < count ? buffer[lane + 32] : 0, false)};
       WarpFoldVectors<2>(y);
       return y[0];

@@ -7,7 +7,7 @@
 #                              $ASAN_BUILD_DIR, default ./build-asan
 #   scripts/sanitize.sh tsan   ThreadSanitizer: the concurrency tests (engine stress, the select
 #                              batcher and several devices, the service's
-#                              handlers on many threads, the handler threads' executor, and the real server end to end under the
+#                              handlers on many threads, the handler threads' executor, the shutdown's call tracker, and the real server end to end under the
 #                              soak and shutdown tests' concurrent clients); folder
 #                              $TSAN_BUILD_DIR, default ./build-tsan
 #   scripts/sanitize.sh        both
@@ -52,7 +52,7 @@ run_tsan() {
   local build=${TSAN_BUILD_DIR:-$root/build-tsan}
   configure "$build" -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer"
   local tests=(engine_parts_test engine_stress_test select_batcher_test multi_device_test
-               service_concurrency_test request_executor_test soak_test shutdown_test)
+               service_concurrency_test request_executor_test call_tracker_test soak_test shutdown_test)
   cmake --build "$build" --parallel "$(nproc)" --target "${tests[@]}" indexer-server
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$root/scripts/tsan.supp" \
   INDEXER_SOAK_SECONDS=${INDEXER_SOAK_SECONDS:-20} INDEXER_SOAK_SETTLE_MS=1000 \

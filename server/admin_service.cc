@@ -59,7 +59,7 @@ grpc::ServerUnaryReactor* IndexerAdminService::Snapshot(grpc::CallbackServerCont
     resp->set_seconds(seconds);
     return grpc::Status::OK;
   };
-  return RunAuthenticated(ctx, *access_, *executor_, "Snapshot", handler);
+  return RunAuthenticated(ctx, *access_, *executor_, tracker_, "Snapshot", handler);
 }
 
 }  // namespace indexer::server

@@ -9,19 +9,22 @@
 #include "engine/engine.h"
 #include "indexer/v1/indexer.grpc.pb.h"
 #include "server/access_control.h"
+#include "server/call_tracker.h"
 #include "server/request_executor.h"
 
 namespace indexer::server {
 
 class IndexerAdminService final : public indexer::v1::IndexerAdmin::CallbackService {
  public:
-  // `engine`, `executor` and `access` must outlive the service and every call it serves.
-  // `snapshot_dir` empty: Snapshot is refused with FAILED_PRECONDITION.
+  // `engine`, `executor`, `access` and `tracker` (see IndexerService) must outlive the service
+  // and every call it serves. `snapshot_dir` empty: Snapshot is refused with FAILED_PRECONDITION.
   IndexerAdminService(engine::Engine* engine, RequestExecutor* executor,
-                      const AccessControl* access, std::string snapshot_dir)
+                      const AccessControl* access, std::string snapshot_dir,
+                      CallTracker* tracker = nullptr)
       : engine_(engine),
         executor_(executor),
         access_(access),
+        tracker_(tracker),
         snapshot_dir_(std::move(snapshot_dir)) {}
 
   grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* ctx,
@@ -32,6 +35,7 @@ class IndexerAdminService final : public indexer::v1::IndexerAdmin::CallbackServ
   engine::Engine* engine_;
   RequestExecutor* executor_;
   const AccessControl* access_;
+  CallTracker* tracker_;
   std::string snapshot_dir_;
 };
 

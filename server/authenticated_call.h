@@ -1,6 +1,7 @@
 // How every unary call of the indexer services starts: authenticate the caller (the one place
-// where that happens), then run the handler on the RequestExecutor and finish the call with the
-// status it returns. Used by IndexerService and IndexerAdminService.
+// where that happens), admit it to the server's CallTracker (refused once shutdown has begun),
+// then run the handler on the RequestExecutor and finish the call with the status it returns.
+// Used by IndexerService and IndexerAdminService.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -12,6 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "server/access_control.h"
+#include "server/call_tracker.h"
 #include "server/metrics.h"
 #include "server/request_executor.h"
 #include "server/status_convert.h"
@@ -36,26 +38,51 @@ inline absl::StatusOr<Caller> CallerOf(const AccessControl& access,
   return caller;
 }
 
-// Authenticates the call, then runs `handler(const Caller&) -> grpc::Status` on `executor` and
-// finishes the call with its status. An unauthenticated call finishes at once, running nothing.
-// With `metrics`, every call is counted under `rpc` (a string literal) with its status, latency
-// and time queued.
+// A unary call's reactor that tells the CallTracker when the call is over: its status sent, or
+// the call cancelled. Deletes itself then.
+class TrackedUnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit TrackedUnaryReactor(CallTracker* tracker) : tracker_(tracker) {}
+  void OnDone() override {
+    tracker_->Done();
+    delete this;
+  }
+
+ private:
+  CallTracker* tracker_;
+};
+
+// The status of a call refused because the server is shutting down (indexer.proto: UNAVAILABLE
+// means exactly that; the client may retry elsewhere, nothing was applied).
+inline grpc::Status ShuttingDownStatus() {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+}
+
+// Authenticates the call, admits it to `tracker`, then runs `handler(const Caller&) ->
+// grpc::Status` on `executor` and finishes the call with its status. An unauthenticated call,
+// or one arriving once `tracker` stops admitting (UNAVAILABLE), finishes at once, running
+// nothing. `tracker` may be null (calls are then not tracked: the in-process tests that drive
+// handlers without gRPC's server). With `metrics`, every call is counted under `rpc` (a string
+// literal) with its status, latency and time queued.
 template <typename Handler>
 grpc::ServerUnaryReactor* RunAuthenticated(grpc::CallbackServerContext* ctx,
                                            const AccessControl& access, RequestExecutor& executor,
-                                           absl::string_view rpc, Handler handler,
-                                           ServiceMetrics* metrics = nullptr) {
+                                           CallTracker* tracker, absl::string_view rpc,
+                                           Handler handler, ServiceMetrics* metrics = nullptr) {
   const absl::Time arrived = absl::Now();
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  absl::StatusOr<Caller> caller = CallerOf(access, *ctx, rpc);
-  if (!caller.ok()) {
-    const grpc::Status status = ToGrpcStatus(caller.status());
+  const auto refuse = [&](const grpc::Status& status) {
     if (metrics != nullptr) {
       metrics->RecordRequest(rpc, status.error_code(), absl::Now() - arrived, absl::ZeroDuration());
     }
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
     reactor->Finish(status);
     return reactor;
-  }
+  };
+  absl::StatusOr<Caller> caller = CallerOf(access, *ctx, rpc);
+  if (!caller.ok()) return refuse(ToGrpcStatus(caller.status()));
+  if (tracker != nullptr && !tracker->Admit()) return refuse(ShuttingDownStatus());
+  grpc::ServerUnaryReactor* reactor =
+      tracker != nullptr ? new TrackedUnaryReactor(tracker) : ctx->DefaultReactor();
   executor.Submit([reactor, rpc, arrived, metrics, caller = *std::move(caller),
                    handler = std::move(handler)]() mutable {
     const absl::Time started = absl::Now();

@@ -123,11 +123,13 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(
       return absl::Status(m.code(), absl::StrCat("--metrics_listen: ", m.message()));
     }
   }
+  s->calls_ = std::make_unique<CallTracker>();
   s->service_ = std::make_unique<IndexerService>(s->engine_.get(), s->executor_.get(),
                                                  s->access_.get(), s->metrics_.get(), Version(),
-                                                 options.max_message_bytes);
+                                                 options.max_message_bytes, s->calls_.get());
   s->admin_service_ = std::make_unique<IndexerAdminService>(
-      s->engine_.get(), s->executor_.get(), s->access_.get(), options.snapshot_dir);
+      s->engine_.get(), s->executor_.get(), s->access_.get(), options.snapshot_dir,
+      s->calls_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -204,8 +206,24 @@ void IndexerServer::Shutdown(absl::Duration drain, absl::Duration not_serving_gr
   // Health checks answer NOT_SERVING for a moment before the listener closes, so that load
   // balancers and readiness probes stop sending new work first.
   if (not_serving_grace > absl::ZeroDuration()) absl::SleepFor(not_serving_grace);
+  const absl::Time deadline = absl::Now() + drain;
+  calls_->StopAdmitting();
   service_->BeginShutdown();
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + drain));
+  const int64_t in_flight = calls_->in_flight();
+  if (in_flight > 0) {
+    spdlog::info("shutdown: refusing new calls; waiting for {} calls in flight", in_flight);
+  }
+  if (calls_->WaitUntilIdle(deadline)) {
+    // Every answer has been handed to gRPC. Keep the connections open (gRPC still reads them)
+    // for a moment, so that clients receive the last replies before the connections close.
+    const absl::Time linger_until = std::min(deadline, calls_->last_done() + kLinger);
+    const absl::Time now = absl::Now();
+    if (linger_until > now) absl::SleepFor(linger_until - now);
+  } else {
+    spdlog::warn("shutdown: {} calls still running after the drain time ({}); cancelling them",
+                 calls_->in_flight(), absl::FormatDuration(drain));
+  }
+  server_->Shutdown(absl::ToChronoTime(deadline));
   server_->Wait();
   executor_->Stop();
 }

@@ -21,6 +21,7 @@
 #include "engine/engine.h"
 #include "server/access_control.h"
 #include "server/admin_service.h"
+#include "server/call_tracker.h"
 #include "server/device_health_monitor.h"
 #include "server/indexer_service.h"
 #include "server/metrics.h"
@@ -54,10 +55,17 @@ class IndexerServer {
   // The Prometheus port (0 when --metrics_listen is empty).
   int metrics_port() const { return metrics_->port(); }
 
-  // Graceful stop: health checks answer NOT_SERVING for `not_serving_grace`, then new calls are
-  // refused, in-flight calls get up to `drain` to finish (then are cancelled), and the handler
-  // threads are joined.
+  // Graceful stop: health checks answer NOT_SERVING for `not_serving_grace`; then new calls are
+  // refused with UNAVAILABLE, open BatchStreams end after their answer in progress, and the calls
+  // in flight get up to `drain` to finish (those still running then are cancelled). Once they
+  // are answered the connections stay open for up to kLinger more, so that the last replies
+  // reach their clients before gRPC closes the connections (CallTracker says why); then the
+  // handler threads are joined.
   void Shutdown(absl::Duration drain, absl::Duration not_serving_grace = absl::ZeroDuration());
+
+  // How long Shutdown keeps the connections open after the last call was answered (within the
+  // drain time).
+  static constexpr absl::Duration kLinger = absl::Milliseconds(200);
 
  private:
   IndexerServer() = default;
@@ -69,6 +77,8 @@ class IndexerServer {
   std::unique_ptr<ServiceMetrics> metrics_;
   std::unique_ptr<RequestExecutor> executor_;
   std::unique_ptr<AccessControl> access_;
+  // Before the services and the server: calls end (OnDone) until server_ is gone.
+  std::unique_ptr<CallTracker> calls_;
   std::unique_ptr<IndexerService> service_;
   std::unique_ptr<IndexerAdminService> admin_service_;
   std::unique_ptr<grpc::Server> server_;

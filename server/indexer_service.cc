@@ -95,7 +95,7 @@ void LogFailure(const char* rpc, const absl::Status& s) {
 template <typename Handler>
 grpc::ServerUnaryReactor* IndexerService::Defer(grpc::CallbackServerContext* ctx,
                                                 absl::string_view rpc, Handler handler) {
-  return RunAuthenticated(ctx, *access_, *executor_, rpc, std::move(handler), metrics_);
+  return RunAuthenticated(ctx, *access_, *executor_, tracker_, rpc, std::move(handler), metrics_);
 }
 
 grpc::ServerUnaryReactor* IndexerService::AppendKeys(grpc::CallbackServerContext* ctx,
@@ -166,7 +166,11 @@ class IndexerService::BatchStreamReactor final
   BatchStreamReactor(IndexerService* service, grpc::CallbackServerContext* ctx,
                      absl::StatusOr<Caller> caller)
       : service_(service), ctx_(ctx) {
+    // Counted until OnDone, so that shutdown waits for the stream's last answer and its status
+    // to be sent. A stream opened once shutdown has begun is not admitted, and ends at once.
+    tracked_ = service_->tracker_ != nullptr && service_->tracker_->Admit();
     service_->Register(this);  // may Stop() this stream at once when shutting down
+    if (service_->tracker_ != nullptr && !tracked_) Stop();
     if (!caller.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       FinishLocked(ToGrpcStatus(caller.status()));
@@ -222,13 +226,12 @@ class IndexerService::BatchStreamReactor final
 
   void OnDone() override {
     service_->Unregister(this);
+    if (tracked_) service_->tracker_->Done();
     delete this;
   }
 
  private:
-  static grpc::Status ShuttingDown() {
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
-  }
+  static grpc::Status ShuttingDown() { return ShuttingDownStatus(); }
   void FinishLocked(const grpc::Status& status) {
     if (finished_) return;
     finished_ = true;
@@ -244,6 +247,7 @@ class IndexerService::BatchStreamReactor final
   bool busy_ = false;      // a request is in the engine or its answer is being written
   bool stopping_ = false;  // the server is shutting down
   bool finished_ = false;  // Finish was called
+  bool tracked_ = false;   // admitted to the service's CallTracker
 };
 
 void IndexerService::Register(BatchStreamReactor* stream) {

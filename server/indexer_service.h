@@ -10,6 +10,7 @@
 #include "engine/engine.h"
 #include "indexer/v1/indexer.grpc.pb.h"
 #include "server/access_control.h"
+#include "server/call_tracker.h"
 #include "server/metrics.h"
 #include "server/request_executor.h"
 
@@ -17,14 +18,17 @@ namespace indexer::server {
 
 class IndexerService final : public indexer::v1::Indexer::CallbackService {
  public:
-  // `engine`, `executor`, `access` and `metrics` must outlive the service and every call it
-  // serves.
+  // `engine`, `executor`, `access`, `metrics` and `tracker` must outlive the service and every
+  // call it serves. `tracker`: where calls are admitted and counted for a graceful shutdown
+  // (IndexerServer's); null for in-process tests that drive the handlers without a gRPC server.
   IndexerService(engine::Engine* engine, RequestExecutor* executor, const AccessControl* access,
-                 ServiceMetrics* metrics, std::string version, int64_t max_message_bytes)
+                 ServiceMetrics* metrics, std::string version, int64_t max_message_bytes,
+                 CallTracker* tracker = nullptr)
       : engine_(engine),
         executor_(executor),
         access_(access),
         metrics_(metrics),
+        tracker_(tracker),
         version_(std::move(version)),
         max_message_bytes_(max_message_bytes) {}
 
@@ -81,6 +85,7 @@ class IndexerService final : public indexer::v1::Indexer::CallbackService {
   RequestExecutor* executor_;
   ServiceMetrics* metrics_;
   const AccessControl* access_;
+  CallTracker* tracker_;
   std::string version_;
   int64_t max_message_bytes_;
   // Live streams. Recursive: a stream's OnDone (which unregisters it) may run inside

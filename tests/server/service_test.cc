@@ -5,6 +5,7 @@
 #include <grpcpp/support/sync_stream.h>
 
 #include <algorithm>
+#include <chrono>
 #include <future>
 #include <thread>
 
@@ -145,10 +146,10 @@ class OneHandlerTest : public ServerTest {
     options_.engine.cpu_threads = 1;
   }
 
-  // Starts a Batch that keeps the only handler thread busy for about a second (items of 2048
-  // query tokens x 4 heads over 4096 keys, as many as one measured item says fit) and returns
-  // its future.
-  std::future<absl::StatusOr<v1::BatchResponse>> StartSlowCall() {
+  // Starts a Batch that keeps the only handler thread busy for about `seconds` (items of 2048
+  // query tokens x 4 heads over 4096 keys, as many as one measured item says fit, at least one:
+  // sanitizer builds take longer) and returns its future.
+  std::future<absl::StatusOr<v1::BatchResponse>> StartSlowCall(double seconds = 1.0) {
     for (int i = 0; i < 4; ++i) AppendRandom("slow", 0, 1024);
     std::vector<float> q;
     const v1::SelectBlocksRequest item = RandomSelect("slow", 0, 4, 2048, &q);
@@ -156,7 +157,7 @@ class OneHandlerTest : public ServerTest {
     EXPECT_TRUE(client_->SelectBlocks(item).ok());
     const double one = std::max(1e-3, absl::ToDoubleSeconds(absl::Now() - t0));
     v1::BatchRequest batch;
-    slow_items_ = std::clamp(static_cast<int>(1.0 / one), 2, 48);
+    slow_items_ = std::clamp(static_cast<int>(seconds / one), 1, 48);
     for (int i = 0; i < slow_items_; ++i) *batch.add_items() = item;
     return std::async(std::launch::async, [this, batch] {
       return client_->Batch(batch, CallOptions::Timeout(absl::Seconds(60)));
@@ -186,7 +187,7 @@ TEST_F(OneHandlerTest, DeadlinePassingWhileQueuedAppliesNothing) {
 }
 
 TEST_F(OneHandlerTest, ShutdownDrainsInFlightCallsAndStopsServing) {
-  std::future<absl::StatusOr<v1::BatchResponse>> slow = StartSlowCall();
+  std::future<absl::StatusOr<v1::BatchResponse>> slow = StartSlowCall(2.0);
   absl::SleepFor(absl::Milliseconds(100));
   // Health answers NOT_SERVING for a grace period, then new calls are refused; in-flight calls
   // finish either way.
@@ -198,6 +199,23 @@ TEST_F(OneHandlerTest, ShutdownDrainsInFlightCallsAndStopsServing) {
     if (!not_serving) absl::SleepFor(absl::Milliseconds(5));
   }
   EXPECT_TRUE(not_serving) << "health never answered NOT_SERVING during shutdown";
+  // After the grace period, while the slow call still runs, a new call is refused by the server
+  // itself (the connection stays open until the slow call's answer is out). During the grace
+  // period it queues behind the slow call and runs into its short deadline.
+  absl::Status refused;
+  bool slow_still_running = false;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(20); absl::Now() < give_up;) {
+    refused = client_->ServerInfo(CallOptions::Timeout(absl::Milliseconds(200))).status();
+    slow_still_running = slow.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
+    if (refused.code() == absl::StatusCode::kUnavailable || !slow_still_running) break;
+  }
+  if (slow_still_running) {
+    EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("shutting down"));
+  } else {
+    ADD_FAILURE() << "the slow call (" << slow_items_
+                  << " items) ended before the drain began; last ServerInfo: " << refused;
+  }
   absl::StatusOr<v1::BatchResponse> done = slow.get();
   stopper.join();
   ASSERT_TRUE(done.ok()) << "the in-flight call was not drained: " << done.status();

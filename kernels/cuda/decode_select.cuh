@@ -120,7 +120,7 @@ struct DecodeShape {
   static constexpr int kStages =
       kPageBytes >= 32768 ? 3 : (65536 / kPageBytes > 8 ? 8 : (65536 / kPageBytes < 4 ? 4 : 65536 / kPageBytes));
   static constexpr int kStageBytes = kStages * kPageBytes;
-  static_assert(kStageBytes >= kRegisterTopKSmemKeys * 8, "the register top-k's buffers fit the stages");
+  static_assert(kStageBytes >= kRegisterTopKSmemBytes, "the register top-k's buffers fit the stages");
   static_assert(kPageChunks % (kDecodeWarps * 32) == 0, "whole copy rounds");
   // Where logical chunk c of row r sits in a staged page: ldmatrix reads one chunk of 8
   // consecutive rows at a time, and the swizzle puts those 8 on 8 different bank groups.

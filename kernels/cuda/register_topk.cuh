@@ -4,10 +4,11 @@
 //
 // A row's keys lie across the lanes of its warps as vectors of 32, one key per lane each; bitonic
 // networks of shuffles sort each vector and fold them into the warp's 32 largest, and one more
-// round through shared memory merges the row's warps. No shared-memory pass over the keys, no
-// candidate lists, and no barrier where one warp holds a whole row: the H200 timeline showed the
-// last CTA of a span of four rows of 256 blocks spending about 4.6 µs in the shared-memory
-// selection, every phase of it a chain of dependent loads and shuffles of one warp per row.
+// round through shared memory merges the row's warps. No candidate lists, and no barrier where one
+// warp holds a whole row: the H200 timeline showed the last CTA of a span of four rows of 256
+// blocks spending about 4.6 µs in the shared-memory selection this replaced, every phase of it a
+// chain of dependent loads and shuffles of one warp per row. Only rows of 16 vectors per warp
+// pass through shared memory first, as raw scores (StageScores says why).
 #pragma once
 
 #include <cstdint>
@@ -24,6 +25,9 @@ inline constexpr int kRegisterVectors = 16;
 // Shared memory SelectRowsInRegisters needs, in keys: 16 per warp for the warps' lists, then
 // 32 * kRegisterVectors per warp for each warp's own buffer.
 inline constexpr int kRegisterTopKSmemKeys = 8 * 16 + 8 * 32 * kRegisterVectors;
+// All the shared memory SelectRowsInRegisters needs, in bytes: those keys, then up to 4096 staged
+// scores and 4 floats of alignment (StageScores).
+inline constexpr int kRegisterTopKSmemBytes = kRegisterTopKSmemKeys * 8 + (4096 + 4) * 4;
 
 // One compare-exchange step across lanes at distance j: the lane keeps the larger key of its pair
 // when `keep_max`, else the smaller. One 64-bit comparison and one select (a max and a min and a
@@ -109,7 +113,9 @@ __device__ __forceinline__ uint64_t MergeWarpLists(const uint64_t* lists) {
 }
 
 // Loads one warp's M vectors of row `row`'s keys (block b = (i * warps + warp_in_row) * 32 + lane
-// for vector i: each load instruction reads 128 contiguous bytes) and returns the warp's 16
+// for vector i: each load instruction reads 128 contiguous bytes) from `row_scores` (the row's
+// raw scores: in global memory, read through L2, or kStaged: staged in shared memory by
+// StageScores) and returns the warp's 16
 // largest keys on lanes 0 to 15, descending (lanes 16 to 31: smaller keys or 0). `buffer` is this
 // warp's 32 * kRegisterVectors keys of shared memory. Called by all 32 lanes.
 //
@@ -118,18 +124,18 @@ __device__ __forceinline__ uint64_t MergeWarpLists(const uint64_t* lists) {
 // are usually a few more than 16. Up to 32 of them are gathered one per lane and sorted: two sorts
 // of one vector instead of M sorts and M - 1 merges (up to 64: two vectors). More (ties, or keys
 // in few lanes) merge all M vectors in turn.
-template <int M>
-__device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* scores, int row, int64_t v,
+template <int M, bool kStaged>
+__device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* row_scores, int64_t v,
                                                int warps, int warp_in_row, uint64_t* buffer) {
   const int lane = threadIdx.x & 31;
-  const float* row_scores = scores + s.score_offset + int64_t{row} * s.visible_blocks;
   const int visible = s.visible_blocks;
   float raw[M];
 #pragma unroll
   for (int i = 0; i < M; ++i) {
-    // Branch-free, from a valid address either way (the span's first score).
+    // Branch-free, from a valid address either way (the row's first score).
     const int b = (i * warps + warp_in_row) * 32 + lane;
-    raw[i] = __ldcg(b < visible ? row_scores + b : scores + s.score_offset);
+    const float* at = b < visible ? row_scores + b : row_scores;
+    raw[i] = kStaged ? *at : __ldcg(at);
   }
   uint64_t x[M];
 #pragma unroll
@@ -182,9 +188,49 @@ __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* s
   }
 }
 
+// Copies rows [row_begin, row_begin + rows) of span `s`'s raw scores (contiguous in global memory,
+// written by other CTAs: read through L2; at most 4096 floats) into shared memory at `staged`
+// (4100 floats) and returns where the first row begins there. 16-byte loads, each thread's all
+// issued before its first store. Called by every thread of the CTA (256 threads); the caller
+// synchronizes before reading.
+//
+// Why, for rows of 16 vectors per warp only: loading them straight from L2, the last key reached
+// the warps 4.3 µs after the last CTA's counter (B=1 L=128K H=4, H200 timeline); staging the same
+// 16 KB took 1.5 µs, and the whole selection ended 0.6 to 1.0 µs sooner (docs/PERF.md, ninth
+// session). At 8 vectors per warp it ended 0.4 to 0.55 µs later, and rows of up to 4 lost about
+// 0.2 µs to the extra barrier.
+__device__ __forceinline__ const float* StageScores(const SpanDesc& s, const float* scores, int row_begin,
+                                                    int rows, float* staged) {
+  const float* src = scores + s.score_offset + int64_t{row_begin} * s.visible_blocks;
+  const int total = rows * s.visible_blocks;
+  // src[head] is 16-byte aligned; so is staged[(4 - head) & 3 + head].
+  const int head = min(total, static_cast<int>((4 - ((reinterpret_cast<uintptr_t>(src) >> 2) & 3)) & 3));
+  staged += (4 - head) & 3;
+  const int body = (total - head) >> 2;  // float4s: at most 1024, four per thread
+  const int tail = head + body * 4;      // the last total - tail (< 4) floats
+  const int t = threadIdx.x;
+  const float4* src4 = reinterpret_cast<const float4*>(src + head);
+  float4 vec[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (t + k * 256 < body) vec[k] = __ldcg(src4 + t + k * 256);
+  }
+  // Threads 0 to head - 1 take the head, the next total - tail ones the tail.
+  const int edge = t < head ? t : tail + (t - head);
+  const bool has_edge = t < head + (total - tail);
+  const float edge_value = has_edge ? __ldcg(src + edge) : 0.0f;
+  float4* dst4 = reinterpret_cast<float4*>(staged + head);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (t + k * 256 < body) dst4[t + k * 256] = vec[k];
+  }
+  if (has_edge) staged[edge] = edge_value;
+  return staged;
+}
+
 // Selects rows [row_begin, row_begin + rows) of span `s` (n = NextPow2(V), layout `shape` from
 // RegisterTopKLayout, vectors != 0) from raw scores in global memory, written by other CTAs (read
-// through L2), writing their block ids. `lists` is shared memory for kRegisterTopKSmemKeys keys.
+// through L2), writing their block ids. `lists` is shared memory of kRegisterTopKSmemBytes.
 // Called by every thread of the CTA (256 threads).
 __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const float* scores, int row_begin,
                                                       int rows, RegisterTopKShape shape, uint64_t* lists,
@@ -199,15 +245,24 @@ __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const f
   // A pass of several may follow another (the decode selector's passes of rows_per_pass rows)
   // whose warps still read the shared memory this one writes.
   __syncthreads();
+  // Rows of 16 vectors per warp are staged in shared memory first (StageScores says why).
+  const bool staged = shape.vectors == kRegisterVectors;
+  const float* rows_scores = scores + s.score_offset + int64_t{row_begin} * s.visible_blocks;
+  if (staged) {
+    rows_scores = StageScores(s, scores, row_begin, rows, reinterpret_cast<float*>(lists + kRegisterTopKSmemKeys));
+    __syncthreads();
+    Stamp(stamps, kTimelineLoaded);
+  }
   uint64_t top = 0;
   if (active) {
     uint64_t* buffer = lists + 8 * 16 + warp * 32 * kRegisterVectors;
+    const float* row_scores = rows_scores + int64_t{row - row_begin} * s.visible_blocks;
     switch (shape.vectors) {
-      case 1: top = WarpRowTop<1>(s, scores, row, v, shape.warps, warp_in_row, buffer); break;
-      case 2: top = WarpRowTop<2>(s, scores, row, v, shape.warps, warp_in_row, buffer); break;
-      case 4: top = WarpRowTop<4>(s, scores, row, v, shape.warps, warp_in_row, buffer); break;
-      case 8: top = WarpRowTop<8>(s, scores, row, v, shape.warps, warp_in_row, buffer); break;
-      default: top = WarpRowTop<16>(s, scores, row, v, shape.warps, warp_in_row, buffer); break;
+      case 1: top = WarpRowTop<1, false>(s, row_scores, v, shape.warps, warp_in_row, buffer); break;
+      case 2: top = WarpRowTop<2, false>(s, row_scores, v, shape.warps, warp_in_row, buffer); break;
+      case 4: top = WarpRowTop<4, false>(s, row_scores, v, shape.warps, warp_in_row, buffer); break;
+      case 8: top = WarpRowTop<8, false>(s, row_scores, v, shape.warps, warp_in_row, buffer); break;
+      default: top = WarpRowTop<16, true>(s, row_scores, v, shape.warps, warp_in_row, buffer); break;
     }
   }
   Stamp(stamps, kTimelineThreshold);

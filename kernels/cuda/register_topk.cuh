@@ -198,7 +198,7 @@ __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* r
 // the warps 4.3 µs after the last CTA's counter (B=1 L=128K H=4, H200 timeline); staging the same
 // 16 KB took 1.5 µs, and the whole selection ended 0.6 to 1.5 µs sooner (docs/PERF.md, ninth
 // session). At 8 vectors per warp it ended 0.4 to 0.65 µs later, so those load directly. The
-// kernels with this path took about 0.17 µs longer on shorter rows, which never take it.
+// kernels with this path took about 0.1 µs longer at B=1 L=4K, which never takes it.
 __device__ __forceinline__ const float* StageScores(const SpanDesc& s, const float* scores, int row_begin,
                                                     int rows, float* staged) {
   const float* src = scores + s.score_offset + int64_t{row_begin} * s.visible_blocks;

@@ -12,10 +12,10 @@
 // IndexerServer::Shutdown stops admitting and waits. Thread-safe.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace indexer::server {
@@ -40,10 +40,13 @@ class CallTracker {
   absl::Time last_done() const;
 
  private:
-  mutable absl::Mutex mu_;
-  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  bool admitting_ ABSL_GUARDED_BY(mu_) = true;
-  absl::Time last_done_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // std::mutex, not absl::Mutex: Debian's Abseil is built without ThreadSanitizer, which then
+  // cannot see what absl::Mutex orders (scripts/tsan.supp).
+  mutable std::mutex mu_;
+  std::condition_variable idle_;
+  int64_t in_flight_ = 0;     // guarded by mu_
+  bool admitting_ = true;     // guarded by mu_
+  absl::Time last_done_ = absl::InfinitePast();  // guarded by mu_
 };
 
 }  // namespace indexer::server

@@ -213,17 +213,23 @@ void IndexerServer::Shutdown(absl::Duration drain, absl::Duration not_serving_gr
   if (in_flight > 0) {
     spdlog::info("shutdown: refusing new calls; waiting for {} calls in flight", in_flight);
   }
+  absl::Time grpc_deadline = deadline;
   if (calls_->WaitUntilIdle(deadline)) {
     // Every answer has been handed to gRPC. Keep the connections open (gRPC still reads them)
-    // for a moment, so that clients receive the last replies before the connections close.
-    const absl::Time linger_until = std::min(deadline, calls_->last_done() + kLinger);
-    const absl::Time now = absl::Now();
-    if (linger_until > now) absl::SleepFor(linger_until - now);
+    // for a moment, so that clients receive the last replies before the connections close; then
+    // give gRPC that moment too, even past the deadline, so that it closes them with a GOAWAY
+    // instead of cancelling what remains (its own calls: health watches), which resets them.
+    if (drain > absl::ZeroDuration()) {
+      const absl::Time linger_until = calls_->last_done() + kLinger;
+      const absl::Time now = absl::Now();
+      if (linger_until > now) absl::SleepFor(linger_until - now);
+    }
+    grpc_deadline = std::max(deadline, absl::Now() + kLinger);
   } else {
     spdlog::warn("shutdown: {} calls still running after the drain time ({}); cancelling them",
                  calls_->in_flight(), absl::FormatDuration(drain));
   }
-  server_->Shutdown(absl::ToChronoTime(deadline));
+  server_->Shutdown(absl::ToChronoTime(grpc_deadline));
   server_->Wait();
   executor_->Stop();
 }

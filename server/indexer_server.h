@@ -58,13 +58,13 @@ class IndexerServer {
   // Graceful stop: health checks answer NOT_SERVING for `not_serving_grace`; then new calls are
   // refused with UNAVAILABLE, open BatchStreams end after their answer in progress, and the calls
   // in flight get up to `drain` to finish (those still running then are cancelled). Once they
-  // are answered the connections stay open for up to kLinger more, so that the last replies
-  // reach their clients before gRPC closes the connections (CallTracker says why); then the
-  // handler threads are joined.
+  // are answered the connections stay open for up to kLinger more (drain > 0), so that the last
+  // replies reach their clients before gRPC closes the connections (CallTracker says why); then
+  // the handler threads are joined. Shutdown may so take up to 2 x kLinger past `drain`.
   void Shutdown(absl::Duration drain, absl::Duration not_serving_grace = absl::ZeroDuration());
 
-  // How long Shutdown keeps the connections open after the last call was answered (within the
-  // drain time).
+  // How long Shutdown keeps the connections open after the last call was answered, and gives
+  // gRPC to close them.
   static constexpr absl::Duration kLinger = absl::Milliseconds(200);
 
  private:

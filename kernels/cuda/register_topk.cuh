@@ -190,22 +190,23 @@ __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* r
 
 // Copies rows [row_begin, row_begin + rows) of span `s`'s raw scores (contiguous in global memory,
 // written by other CTAs: read through L2; at most 4096 floats) into shared memory at `staged`
-// (4100 floats) and returns where the first row begins there. 16-byte loads, each thread's all
-// issued before its first store. Called by every thread of the CTA (256 threads); the caller
-// synchronizes before reading.
+// (4100 floats) and returns where the first row begins there, as an offset of 0 to 3 floats.
+// 16-byte loads, each thread's all issued before its first store. Called by every thread of the
+// CTA (256 threads, as RegisterTopKLayout requires); the caller synchronizes before reading.
 //
 // Why, for rows of 16 vectors per warp only: loading them straight from L2, the last key reached
 // the warps 4.3 µs after the last CTA's counter (B=1 L=128K H=4, H200 timeline); staging the same
 // 16 KB took 1.5 µs, and the whole selection ended 0.6 to 1.5 µs sooner (docs/PERF.md, ninth
 // session). At 8 vectors per warp it ended 0.4 to 0.65 µs later, so those load directly. The
 // kernels with this path took about 0.1 µs longer at B=1 L=4K, which never takes it.
-__device__ __forceinline__ const float* StageScores(const SpanDesc& s, const float* scores, int row_begin,
-                                                    int rows, float* staged) {
+__device__ __forceinline__ int StageScores(const SpanDesc& s, const float* scores, int row_begin, int rows,
+                                           float* staged) {
   const float* src = scores + s.score_offset + int64_t{row_begin} * s.visible_blocks;
   const int total = rows * s.visible_blocks;
-  // src[head] is 16-byte aligned; so is staged[(4 - head) & 3 + head].
+  // src[head] is 16-byte aligned; so is staged[shift + head], where src[0] goes to staged[shift].
   const int head = min(total, static_cast<int>((4 - ((reinterpret_cast<uintptr_t>(src) >> 2) & 3)) & 3));
-  staged += (4 - head) & 3;
+  const int shift = (4 - head) & 3;
+  staged += shift;
   const int body = (total - head) >> 2;  // float4s: at most 1024, four per thread
   const int tail = head + body * 4;      // the last total - tail (< 4) floats
   const int t = threadIdx.x;
@@ -225,13 +226,13 @@ __device__ __forceinline__ const float* StageScores(const SpanDesc& s, const flo
     if (t + k * 256 < body) dst4[t + k * 256] = vec[k];
   }
   if (has_edge) staged[edge] = edge_value;
-  return staged;
+  return shift;
 }
 
 // Selects rows [row_begin, row_begin + rows) of span `s` (n = NextPow2(V), layout `shape` from
 // RegisterTopKLayout, vectors != 0) from raw scores in global memory, written by other CTAs (read
-// through L2), writing their block ids. `lists` is shared memory of kRegisterTopKSmemBytes.
-// Called by every thread of the CTA (256 threads).
+// through L2, or staged in shared memory first), writing their block ids. `lists` is shared
+// memory of kRegisterTopKSmemBytes. Called by every thread of the CTA (256 threads).
 __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const float* scores, int row_begin,
                                                       int rows, RegisterTopKShape shape, uint64_t* lists,
                                                       unsigned long long* stamps) {
@@ -246,23 +247,26 @@ __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const f
   // whose warps still read the shared memory this one writes.
   __syncthreads();
   // Rows of 16 vectors per warp are staged in shared memory first (StageScores says why).
-  const bool staged = shape.vectors == kRegisterVectors;
-  const float* rows_scores = scores + s.score_offset + int64_t{row_begin} * s.visible_blocks;
-  if (staged) {
-    rows_scores = StageScores(s, scores, row_begin, rows, reinterpret_cast<float*>(lists + kRegisterTopKSmemKeys));
+  float* staged = reinterpret_cast<float*>(lists + kRegisterTopKSmemKeys);
+  int shift = 0;
+  if (shape.vectors == kRegisterVectors) {
+    shift = StageScores(s, scores, row_begin, rows, staged);
     __syncthreads();
     Stamp(stamps, kTimelineLoaded);
   }
   uint64_t top = 0;
   if (active) {
     uint64_t* buffer = lists + 8 * 16 + warp * 32 * kRegisterVectors;
-    const float* row_scores = rows_scores + int64_t{row - row_begin} * s.visible_blocks;
+    const int64_t offset = int64_t{row - row_begin} * s.visible_blocks;
+    // Two pointers, not one that may be either: the staged reads stay shared-memory loads.
+    const float* global_row = scores + s.score_offset + int64_t{row_begin} * s.visible_blocks + offset;
+    const float* staged_row = staged + shift + offset;
     switch (shape.vectors) {
-      case 1: top = WarpRowTop<1, false>(s, row_scores, v, shape.warps, warp_in_row, buffer); break;
-      case 2: top = WarpRowTop<2, false>(s, row_scores, v, shape.warps, warp_in_row, buffer); break;
-      case 4: top = WarpRowTop<4, false>(s, row_scores, v, shape.warps, warp_in_row, buffer); break;
-      case 8: top = WarpRowTop<8, false>(s, row_scores, v, shape.warps, warp_in_row, buffer); break;
-      default: top = WarpRowTop<16, true>(s, row_scores, v, shape.warps, warp_in_row, buffer); break;
+      case 1: top = WarpRowTop<1, false>(s, global_row, v, shape.warps, warp_in_row, buffer); break;
+      case 2: top = WarpRowTop<2, false>(s, global_row, v, shape.warps, warp_in_row, buffer); break;
+      case 4: top = WarpRowTop<4, false>(s, global_row, v, shape.warps, warp_in_row, buffer); break;
+      case 8: top = WarpRowTop<8, false>(s, global_row, v, shape.warps, warp_in_row, buffer); break;
+      default: top = WarpRowTop<16, true>(s, staged_row, v, shape.warps, warp_in_row, buffer); break;
     }
   }
   Stamp(stamps, kTimelineThreshold);

@@ -38,11 +38,11 @@ TEST(CallTrackerTest, WaitEndsWhenTheLastCallIsDoneNotAtTheDeadline) {
   CallTracker calls;
   ASSERT_TRUE(calls.Admit());
   calls.StopAdmitting();
+  const absl::Time t0 = absl::Now();
   std::thread finisher([&] {
     absl::SleepFor(absl::Milliseconds(100));
     calls.Done();
   });
-  const absl::Time t0 = absl::Now();
   EXPECT_TRUE(calls.WaitUntilIdle(t0 + absl::Seconds(60)));
   const absl::Duration waited = absl::Now() - t0;
   finisher.join();

@@ -187,7 +187,7 @@ TEST_F(OneHandlerTest, DeadlinePassingWhileQueuedAppliesNothing) {
 }
 
 TEST_F(OneHandlerTest, ShutdownDrainsInFlightCallsAndStopsServing) {
-  std::future<absl::StatusOr<v1::BatchResponse>> slow = StartSlowCall(2.0);
+  std::future<absl::StatusOr<v1::BatchResponse>> slow = StartSlowCall(3.0);
   absl::SleepFor(absl::Milliseconds(100));
   // Health answers NOT_SERVING for a grace period, then new calls are refused; in-flight calls
   // finish either way.
@@ -202,14 +202,16 @@ TEST_F(OneHandlerTest, ShutdownDrainsInFlightCallsAndStopsServing) {
   // After the grace period, while the slow call still runs, a new call is refused by the server
   // itself (the connection stays open until the slow call's answer is out). During the grace
   // period it queues behind the slow call and runs into its short deadline.
+  // (The slow call is looked at before each probe is sent: once it is answered, the connection
+  // closes after IndexerServer::kLinger, and a later probe may be refused by gRPC instead.)
   absl::Status refused;
-  bool slow_still_running = false;
+  bool slow_was_running = false;
   for (const absl::Time give_up = absl::Now() + absl::Seconds(20); absl::Now() < give_up;) {
+    slow_was_running = slow.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
     refused = client_->ServerInfo(CallOptions::Timeout(absl::Milliseconds(200))).status();
-    slow_still_running = slow.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
-    if (refused.code() == absl::StatusCode::kUnavailable || !slow_still_running) break;
+    if (refused.code() == absl::StatusCode::kUnavailable || !slow_was_running) break;
   }
-  if (slow_still_running) {
+  if (slow_was_running) {
     EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
     EXPECT_THAT(std::string(refused.message()), HasSubstr("shutting down"));
   } else {

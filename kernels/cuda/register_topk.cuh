@@ -112,12 +112,12 @@ __device__ __forceinline__ uint64_t MergeWarpLists(const uint64_t* lists) {
   return y[0];
 }
 
-// Loads one warp's M vectors of row `row`'s keys (block b = (i * warps + warp_in_row) * 32 + lane
-// for vector i: each load instruction reads 128 contiguous bytes) from `row_scores` (the row's
-// raw scores: in global memory, read through L2, or kStaged: staged in shared memory by
-// StageScores) and returns the warp's 16
-// largest keys on lanes 0 to 15, descending (lanes 16 to 31: smaller keys or 0). `buffer` is this
-// warp's 32 * kRegisterVectors keys of shared memory. Called by all 32 lanes.
+// Loads one warp's M vectors of a row's keys (block b = (i * warps + warp_in_row) * 32 + lane for
+// vector i: each load instruction reads 128 contiguous bytes) from `row_scores` (the row's raw
+// scores: in global memory, read through L2, or kStaged: staged in shared memory by StageScores)
+// and returns the warp's 16 largest keys on lanes 0 to 15, descending (lanes 16 to 31: smaller
+// keys or 0). `buffer` is this warp's 32 * kRegisterVectors keys of shared memory. Called by all
+// 32 lanes.
 //
 // Four vectors and more go through a threshold first: the 16th largest of the lanes' maxima is at
 // most the warp's 16th largest key, so the warp's top 16 are among the keys at or above it, which

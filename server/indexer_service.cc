@@ -211,7 +211,7 @@ class IndexerService::BatchStreamReactor final
     if (!ok) {
       FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed while writing"));
     } else if (stopping_) {
-      FinishLocked(ShuttingDown());
+      FinishLocked(ShuttingDownStatus());
     } else {
       StartRead(&request_);
     }
@@ -221,7 +221,7 @@ class IndexerService::BatchStreamReactor final
   void Stop() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
-    if (!busy_) FinishLocked(ShuttingDown());
+    if (!busy_) FinishLocked(ShuttingDownStatus());
   }
 
   void OnDone() override {
@@ -231,7 +231,6 @@ class IndexerService::BatchStreamReactor final
   }
 
  private:
-  static grpc::Status ShuttingDown() { return ShuttingDownStatus(); }
   void FinishLocked(const grpc::Status& status) {
     if (finished_) return;
     finished_ = true;

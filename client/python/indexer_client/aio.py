@@ -178,6 +178,7 @@ class AsyncBatchStream:
 
     @property
     def in_flight(self) -> int:
+        """Batches sent and not answered yet."""
         return len(self._pending)
 
     async def submit(self, steps: Iterable[Step],

@@ -159,7 +159,13 @@ class ShardedClientTest(unittest.TestCase):
         steps = [Step(s, queries=rng.integers(-3, 4, size=(1, 1 + k % 2, HEAD_DIM)).astype(np.float32),
                       keys=rng.integers(-3, 4, size=(1, LAYERS, HEAD_DIM)).astype(np.float32))
                  for k, s in enumerate(sequence_ids)]
-        results = self.client.batch(steps)
+        # A step with the wrong head_dim stops the whole batch before any server gets a part.
+        bad = Step(sequence_ids[0], queries=np.ones((1, 1, HEAD_DIM * 2), np.float32))
+        with self.assertRaises(ValueError):
+            self.client.batch(steps + [bad])
+        for s in sequence_ids:
+            self.assertEqual(self.client.get_sequence(s).lengths.tolist(), [150] * LAYERS)
+        results = self.client.batch(steps, timeout=10)
         self.assertEqual(len(results), len(steps))
         for k, r in enumerate(results):
             self.assertEqual(r.start_position, 150)

@@ -10,6 +10,7 @@ packages=(
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev prometheus-cpp-dev
   python3 python3-grpcio python3-numpy python3-protobuf
+  python3-pip python3-venv python3-setuptools python3-wheel  # pip install ./client/python (tests/python)
   procps
   openssl  # makes the test certificates of the TLS tests (tests/security/make_test_certs.sh)
   chromium  # headless, renders indexer-bench's HTML report in its test (bench_report_render_test)

@@ -1,24 +1,24 @@
 #!/usr/bin/python3
 """Tests client/python against the real indexer-server (CPU backend) and the numpy reference.
 
-Needs INDEXER_SERVER_BIN (the indexer-server binary) and the generated stubs on PYTHONPATH:
-  PYTHONPATH=<build>/python:client/python INDEXER_SERVER_BIN=<build>/server/indexer-server \
+Needs INDEXER_SERVER_BIN (the indexer-server binary) and the installed package on PYTHONPATH:
+  PYTHONPATH=<build>/python INDEXER_SERVER_BIN=<build>/server/indexer-server \
       /usr/bin/python3 tests/python/test_client.py
-(ctest -R python_client sets both). Keys and queries are small integers, so every fp32 dot
+(ctest -R python_client sets both; the build installs the package into <build>/python). Keys and queries are small integers, so every fp32 dot
 product is exact and the server must match the reference exactly.
 """
 import os
-import re
-import signal
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CLIENT_DIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "client", "python")
-sys.path.insert(0, CLIENT_DIR)
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(HERE)), "client", "python", "examples")
+sys.path.insert(0, HERE)
 
 try:
     import grpc
@@ -27,64 +27,22 @@ except ImportError as e:
     sys.exit(f"test_client.py: {sys.executable} cannot import {e.name!r} ({e}). Run scripts/setup.sh, "
              "which installs Debian's python3-grpcio, python3-numpy and python3-protobuf.")
 try:
-    from indexer_client import (IndexerClient, IndexerError, Step, from_bf16_bytes, reference_select,
-                                round_to_bf16, to_bf16_bits, to_bf16_bytes)
+    from indexer_client import (AppendResult, ForkResult, IndexerClient, IndexerError,
+                                ReleaseResult, Selection, SequenceInfo, ServerInfo, Step,
+                                TruncateResult, from_bf16_bytes, reference_select, round_to_bf16,
+                                to_bf16_bits, to_bf16_bytes)
 except ImportError as e:
-    sys.exit(f"test_client.py: {e}")
+    sys.exit(f"test_client.py: {e}\n(PYTHONPATH must hold the installed package: ctest sets "
+             "PYTHONPATH=<build>/python, where the build installs it)")
+from server_process import CAPACITY, HEAD_DIM, LAYERS, Server, server_binary  # noqa: E402
 
-HEAD_DIM, LAYERS, CAPACITY = 64, 2, 64
-SERVER_FLAGS = ["--device=cpu", "--listen=127.0.0.1:0", f"--head_dim={HEAD_DIM}",
-                f"--layers={LAYERS}", f"--capacity={CAPACITY}", "--cpu_threads=2",
-                "--handler_threads=4", "--drain_seconds=5"]
 rng = np.random.default_rng(1234)
 server = None  # the running server, set by setUpModule
 
 
-class Server:
-    """An indexer-server child process on a port it picks; its log is kept for failures."""
-
-    def __init__(self, binary, flags=SERVER_FLAGS):
-        self.log = []
-        self.port = None
-        self._ready = threading.Event()
-        self.proc = subprocess.Popen([binary] + flags, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self._reader = threading.Thread(target=self._read_log, daemon=True)
-        self._reader.start()
-        if not self._ready.wait(20) or self.port is None:
-            self.proc.kill()
-            raise RuntimeError("indexer-server did not start:\n" + "".join(self.log))
-
-    def _read_log(self):
-        for line in self.proc.stdout:
-            self.log.append(line)
-            match = re.search(r"serving on port (\d+)", line)
-            if match:
-                self.port = int(match.group(1))
-                self._ready.set()
-        self._ready.set()  # the process ended
-
-    def stop(self):
-        """SIGTERM, then the exit status (None if it had to be killed)."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return None
-        finally:
-            self._reader.join(5)
-            self.proc.stdout.close()
-
-
 def setUpModule():
     global server
-    binary = os.environ.get("INDEXER_SERVER_BIN")
-    if not binary or not os.access(binary, os.X_OK):
-        raise RuntimeError(f"INDEXER_SERVER_BIN is {binary!r}; set it to the built indexer-server "
-                           "(ctest -R python_client does)")
-    server = Server(binary)
+    server = Server()
 
 
 def tearDownModule():
@@ -101,7 +59,7 @@ def ints(*shape, low=-8, high=8):
 
 class IndexerClientTest(unittest.TestCase):
     def setUp(self):
-        self.client = IndexerClient(f"127.0.0.1:{server.port}", timeout=20)
+        self.client = IndexerClient(server.target, timeout=20)
         self.addCleanup(self.client.close)
         self.client.wait_until_serving()
 
@@ -175,9 +133,124 @@ class IndexerClientTest(unittest.TestCase):
     def test_server_info_and_health(self):
         self.assertEqual(self.client.health(), "SERVING")
         info = self.client.server_info()
+        self.assertIsInstance(info, ServerInfo)
         self.assertEqual((info.backend, info.head_dim, info.layers, info.total_pages),
                          ("cpu", HEAD_DIM, LAYERS, CAPACITY))
         self.assertEqual((info.block_size, info.default_topk, info.default_local_blocks), (128, 16, 1))
+        self.assertEqual((info.key_storage, info.tenant), ("bf16", ""))
+        import grpc as grpc_module
+        self.assertEqual(len(grpc_module.__path__), 1, "health checks must not extend grpc.__path__")
+
+    def test_results_are_typed_numpy(self):
+        sid = self.new_sequence("typed")
+        r = self.client.append_keys(sid, ints(300, LAYERS, HEAD_DIM), attention_pages=[4, 5, 6])
+        self.assertIsInstance(r, AppendResult)
+        self.assertEqual((r.lengths.dtype, r.lengths.shape, r.num_blocks, r.created),
+                         (np.int64, (LAYERS,), 3, True))
+        sel = self.client.select_blocks(sid, ints(3, 2, HEAD_DIM), topk=4)
+        self.assertIsInstance(sel, Selection)
+        info = self.client.server_info()
+        ppb = info.pages_per_block
+        for name, dtype, shape in [("block_ids", np.int32, (3, 2, 4)),
+                                   ("page_table", np.int32, (3, 2, 4 * ppb)),
+                                   ("context_lens", np.int32, (3, 2)),
+                                   ("lengths", np.int64, (LAYERS,)), ("positions", np.int64, (3,))]:
+            value = getattr(sel, name)
+            self.assertEqual((value.dtype, value.shape), (dtype, shape), name)
+        self.assertEqual((sel.num_tokens, sel.num_heads, sel.topk, sel.pages_per_block), (3, 2, 4, ppb))
+        self.assertTrue(sel.block_ids.flags.writeable)
+        seq = self.client.get_sequence(sid)
+        self.assertIsInstance(seq, SequenceInfo)
+        self.assertEqual((seq.pages.dtype, seq.pages.shape, seq.attention_pages.tolist()),
+                         (np.int32, (3,), [4, 5, 6]))
+        fork = self.client.fork(sid, self.new_sequence("typed-fork"), length=129)
+        self.assertIsInstance(fork, ForkResult)
+        self.assertEqual((fork.lengths.tolist(), fork.num_blocks, fork.pages_shared),
+                         ([129, 129], 2, 2))
+        cut = self.client.truncate(sid, 10)
+        self.assertIsInstance(cut, TruncateResult)
+        self.assertEqual((cut.lengths.tolist(), cut.num_blocks), ([10, 10], 1))
+        gone = self.client.release(sid)
+        self.assertIsInstance(gone, ReleaseResult)
+        self.assertEqual(gone.pages_freed, 0, "block 0 is still shared with the fork")
+
+    def test_every_method_takes_a_timeout(self):
+        sid = self.new_sequence("timeouts")
+        c, t = self.client, 10.0
+        c.append_keys(sid, ints(130, HEAD_DIM), timeout=t)
+        c.select_blocks(sid, ints(1, 2, HEAD_DIM), timeout=t)
+        c.batch([Step(sid, queries=ints(1, 1, HEAD_DIM))], timeout=t)
+        c.fork(sid, self.new_sequence("timeouts-fork"), timeout=t)
+        c.truncate(sid, 129, timeout=t)
+        c.get_sequence(sid, timeout=t)
+        c.server_info(timeout=t)
+        c.get_stats(timeout=t)
+        self.assertEqual(c.health(timeout=t), "SERVING")
+        self.assertCode(grpc.StatusCode.FAILED_PRECONDITION, c.snapshot, "t.snap", timeout=t)
+        with c.open_stream(timeout=t) as stream:
+            stream.step([Step(sid, queries=ints(1, 1, HEAD_DIM))], timeout=t)
+        c.release(sid, timeout=t)
+        # That each deadline reaches the server, and an unmet one fails the call: test_wire.py.
+
+    def test_wrong_shapes_are_refused_before_sending(self):
+        sid = self.new_sequence("shapes")
+        c = self.client
+        cases = [
+            (lambda: c.select_blocks(sid, ints(2, 4, HEAD_DIM // 2)),
+             ["queries", f"(2, 4, {HEAD_DIM // 2})", f"head_dim {HEAD_DIM}", server.target]),
+            (lambda: c.append_keys(sid, ints(2, HEAD_DIM // 2)),
+             ["keys", f"(2, {HEAD_DIM // 2})", f"head_dim {HEAD_DIM}"]),
+            (lambda: c.append_keys(sid, ints(2, LAYERS + 1, HEAD_DIM)),
+             ["keys", f"{LAYERS} layers", f"[n][{LAYERS}][{HEAD_DIM}]"]),
+            (lambda: c.append_keys(sid, ints(2, HEAD_DIM), all_layers=True),
+             ["all-layer", "[n][layers][head_dim]"]),
+            (lambda: c.append_keys(sid, ints(0, HEAD_DIM)), ["at least one token"]),
+            (lambda: c.select_blocks(sid, ints(4, HEAD_DIM), keys=ints(1, HEAD_DIM * 2)),
+             ["keys", f"head_dim {HEAD_DIM}"]),
+            (lambda: c.select_blocks(sid, ints(HEAD_DIM)), ["[n][H][head_dim]"]),
+            (lambda: c.batch([Step(sid, keys=ints(1, HEAD_DIM)),
+                              Step(sid, queries=ints(1, 2, 3 * HEAD_DIM))]),
+             ["step 1", f"head_dim {HEAD_DIM}"]),
+        ]
+        for call, words in cases:
+            with self.assertRaises(ValueError) as caught:
+                call()
+            for word in words:
+                self.assertIn(word, str(caught.exception))
+        # Nothing of any of them reached the server: not even the good first step of the batch.
+        self.assertCode(grpc.StatusCode.NOT_FOUND, c.get_sequence, sid)
+        # The right shapes go through, and the answers have the shapes sent (num_tokens n).
+        self.assertEqual(c.append_keys(sid, ints(5, HEAD_DIM)).lengths.tolist(), [5, 0])
+        self.assertEqual(c.append_keys(sid, ints(HEAD_DIM)).lengths.tolist(), [6, 0])
+        self.assertEqual(c.append_keys(sid, ints(2, LAYERS, HEAD_DIM)).lengths.tolist(), [8, 2])
+        self.assertEqual(c.select_blocks(sid, ints(2, 4, HEAD_DIM)).block_ids.shape, (2, 4, 16))
+        self.assertEqual(c.select_blocks(sid, ints(4, HEAD_DIM)).block_ids.shape, (1, 4, 16))
+
+    def test_unix_socket_targets(self):
+        folder = tempfile.mkdtemp(prefix="ixpy-", dir="/tmp")
+        path = os.path.join(folder, "indexer.sock")
+        local = Server(flags=["--device=cpu", f"--head_dim={HEAD_DIM}", "--capacity=8",
+                              "--cpu_threads=1", "--not_serving_seconds=0"], listen=f"unix:{path}")
+        try:
+            self.assertTrue(os.path.exists(path), "".join(local.log))
+            keys = ints(200, HEAD_DIM)
+            for i, target in enumerate([f"unix:{path}", f"unix://{path}"]):
+                with IndexerClient(target, timeout=10) as client:
+                    client.wait_until_serving()
+                    sid = f"unix-{i}"
+                    self.assertTrue(client.append_keys(sid, keys).created)
+                    q = ints(1, 2, HEAD_DIM)
+                    self.assertSame(client.select_blocks(sid, q, topk=2),
+                                    reference_select(keys, q, 199, 2, 0, 1), target)
+                    with client.open_stream() as stream:
+                        k = ints(1, HEAD_DIM)
+                        got = stream.step([Step(sid, keys=k, queries=q, topk=2)])[0]
+                    self.assertSame(got, reference_select(np.concatenate([keys, k]), q, 200, 2, 0, 1))
+                    self.assertEqual(client.release(sid).pages_freed, 2)
+        finally:
+            status = local.stop()
+            shutil.rmtree(folder, ignore_errors=True)
+        self.assertEqual(status, 0, "".join(local.log[-5:]))
 
     def test_get_stats_counts_calls(self):
         before = self.client.get_stats()
@@ -221,7 +294,7 @@ class IndexerClientTest(unittest.TestCase):
                                                 init_blocks=init, local_blocks=local)
                 want = reference_select(keys[:, layer], q, p0, topk, init, local)
                 self.assertSame(got, want, f"layer {layer} span {p0}+{n} params {topk, init, local}")
-                self.assertEqual(got.lengths, (700, 700))
+                self.assertEqual(got.lengths.tolist(), [700, 700])
                 self.assertIsNone(got.page_table)
         # Defaults: the span ends at the last token; the server's topk 16, init 0, local 1.
         q = ints(3, 4, HEAD_DIM)
@@ -242,7 +315,7 @@ class IndexerClientTest(unittest.TestCase):
             k, q = ints(1, HEAD_DIM), ints(4, HEAD_DIM)
             got = self.client.select_blocks(sid, q, layer=1, keys=k, topk=2, init_blocks=1)
             keys = np.concatenate([keys, k])
-            self.assertEqual(got.lengths, (0, len(keys)))
+            self.assertEqual(got.lengths.tolist(), [0, len(keys)])
             self.assertSame(got, reference_select(keys, q[None], len(keys) - 1, 2, 1, 1))
         # Speculative decoding: 3 draft tokens appended and selected together end at the last one.
         k, q = ints(3, HEAD_DIM), ints(3, 2, HEAD_DIM)
@@ -328,7 +401,7 @@ class IndexerClientTest(unittest.TestCase):
         self.assertSame(results[0], reference_select(ka, qa1, 300, 3, 0, 1))
         self.assertSame(results[1], reference_select(kb, qb, 100, 2, 0, 1))
         self.assertIsNone(results[2].block_ids)
-        self.assertEqual(results[2].lengths, (10, 0))
+        self.assertEqual(results[2].lengths.tolist(), [10, 0])
         self.assertEqual((results[3].code, results[3].index), (grpc.StatusCode.NOT_FOUND, 3))
         self.assertSame(results[4], reference_select(np.concatenate([ka, k2]), qa2, 301, 3, 0, 1))
         self.assertEqual(results[5].code, grpc.StatusCode.INVALID_ARGUMENT)
@@ -444,7 +517,7 @@ class IndexerClientTest(unittest.TestCase):
         self.client.append_keys(src, new)
         seq_keys = np.concatenate([keys[:150], new])
         got = self.client.select_blocks(src, ints(2, 4, HEAD_DIM), topk=2)
-        self.assertEqual(got.lengths, (190, 0))
+        self.assertEqual(got.lengths.tolist(), [190, 0])
         q = ints(2, 4, HEAD_DIM)
         self.assertSame(self.client.select_blocks(src, q, topk=2), reference_select(seq_keys, q, 188, 2, 0, 1))
         self.assertSame(self.client.select_blocks(dst, q, start_position=180, topk=2),
@@ -504,7 +577,7 @@ class IndexerClientTest(unittest.TestCase):
     def test_port_in_use_is_refused(self):
         # A second server on a port that is already served must fail at startup, not share the
         # port with the first one (clients would be spread over two servers' sequences).
-        second = subprocess.Popen([os.environ["INDEXER_SERVER_BIN"], "--device=cpu",
+        second = subprocess.Popen([server_binary(), "--device=cpu",
                                    f"--listen=127.0.0.1:{server.port}", "--capacity=1"],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -523,7 +596,7 @@ class IndexerClientTest(unittest.TestCase):
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             for listen in (f"127.0.0.1:{taken.getsockname()[1]}", "not-an-address:port"):
-                run = subprocess.run([os.environ["INDEXER_SERVER_BIN"], "--device=cpu",
+                run = subprocess.run([server_binary(), "--device=cpu",
                                       f"--listen={listen}", "--capacity=1"],
                                      capture_output=True, text=True, timeout=20)
                 self.assertEqual(run.returncode, 1, f"--listen={listen}: {run.stdout}{run.stderr}")
@@ -531,10 +604,9 @@ class IndexerClientTest(unittest.TestCase):
 
     def test_huge_start_position_is_refused(self):
         # p0 + n must not overflow int64 in the span check. Own server: this one may crash.
-        scratch = Server(os.environ["INDEXER_SERVER_BIN"], ["--device=cpu", "--listen=127.0.0.1:0",
-                                                            "--head_dim=64", "--capacity=2"])
+        scratch = Server(flags=["--device=cpu", "--head_dim=64", "--capacity=2"])
         try:
-            with IndexerClient(f"127.0.0.1:{scratch.port}", timeout=20) as client:
+            with IndexerClient(scratch.target, timeout=20) as client:
                 client.wait_until_serving()
                 client.append_keys("huge", ints(10, 64))
                 for p0 in (2**63 - 1, 2**63 - 2, 2**62):
@@ -545,11 +617,9 @@ class IndexerClientTest(unittest.TestCase):
         self.assertEqual(status, 0, "".join(scratch.log[-5:]))
 
     def test_example_decode_loop(self):
-        example = os.path.join(CLIENT_DIR, "examples", "decode_loop.py")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), CLIENT_DIR]))
-        run = subprocess.run([sys.executable, example, "--server", f"127.0.0.1:{server.port}"],
-                             env=env, capture_output=True, text=True, timeout=60)
+        example = os.path.join(EXAMPLES, "decode_loop.py")
+        run = subprocess.run([sys.executable, example, "--server", server.target],
+                             capture_output=True, text=True, timeout=60)
         self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
         self.assertIn("done:", run.stdout)
 

@@ -7,7 +7,7 @@
 - Balance over ten servers, and stability when a server is added or removed.
 - ShardedClient against two real indexer-servers (INDEXER_SERVER_BIN): calls land on the owner,
   batches are split and merged in order, forks need a hash tag.
-ctest -R python_hash_ring sets the variables and PYTHONPATH.
+ctest -R python_hash_ring sets the variables and PYTHONPATH (the installed package).
 """
 import os
 import subprocess
@@ -16,7 +16,6 @@ import unittest
 from collections import Counter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "client", "python"))
 sys.path.insert(0, HERE)
 
 from indexer_client.hash_ring import HashRing, fnv1a64, mix64, shard_key  # noqa: E402
@@ -124,12 +123,12 @@ class ShardedClientTest(unittest.TestCase):
             raise unittest.SkipTest("INDEXER_SERVER_BIN is not set (ctest -R python_hash_ring sets it)")
         try:
             import numpy  # noqa: F401
-            from test_client import Server
+            from server_process import Server
         except ImportError as e:
             raise unittest.SkipTest(f"cannot import the server helper: {e}")
         cls.servers = [Server(binary), Server(binary)]
         from indexer_client import IndexerClient, ShardedClient
-        cls.targets = [f"127.0.0.1:{s.port}" for s in cls.servers]
+        cls.targets = [s.target for s in cls.servers]
         cls.client = ShardedClient(cls.targets, timeout=20)
         cls.direct = [IndexerClient(t, timeout=20) for t in cls.targets]
         cls.client.wait_until_serving()
@@ -145,7 +144,7 @@ class ShardedClientTest(unittest.TestCase):
     def test_calls_and_batches_reach_the_owner(self):
         import numpy as np
         from indexer_client import IndexerError, Step
-        from test_client import HEAD_DIM, LAYERS
+        from server_process import HEAD_DIM, LAYERS
         rng = np.random.default_rng(3)
         sequence_ids = [f"py-shard-{i}" for i in range(12)]
         owners = {self.client.server_index(s) for s in sequence_ids}
@@ -160,7 +159,13 @@ class ShardedClientTest(unittest.TestCase):
         steps = [Step(s, queries=rng.integers(-3, 4, size=(1, 1 + k % 2, HEAD_DIM)).astype(np.float32),
                       keys=rng.integers(-3, 4, size=(1, LAYERS, HEAD_DIM)).astype(np.float32))
                  for k, s in enumerate(sequence_ids)]
-        results = self.client.batch(steps)
+        # A step with the wrong head_dim stops the whole batch before any server gets a part.
+        bad = Step(sequence_ids[0], queries=np.ones((1, 1, HEAD_DIM * 2), np.float32))
+        with self.assertRaises(ValueError):
+            self.client.batch(steps + [bad])
+        for s in sequence_ids:
+            self.assertEqual(self.client.get_sequence(s).lengths.tolist(), [150] * LAYERS)
+        results = self.client.batch(steps, timeout=10)
         self.assertEqual(len(results), len(steps))
         for k, r in enumerate(results):
             self.assertEqual(r.start_position, 150)

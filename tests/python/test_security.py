@@ -2,7 +2,7 @@
 """Tests the Python client's TLS, mutual TLS and token options against a real indexer-server.
 
 Certificates are made at test time by tests/security/make_test_certs.sh (the openssl tool).
-Needs INDEXER_SERVER_BIN and the generated stubs on PYTHONPATH, like test_client.py
+Needs INDEXER_SERVER_BIN and the installed package on PYTHONPATH, like test_client.py
 (ctest -R python_security sets both).
 """
 import os
@@ -14,7 +14,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from test_client import Server  # noqa: E402  (also puts client/python on sys.path)
+from server_process import Server  # noqa: E402
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
@@ -41,7 +41,7 @@ def start(name, *flags):
     binary = os.environ.get("INDEXER_SERVER_BIN")
     if not binary or not os.access(binary, os.X_OK):
         raise RuntimeError(f"INDEXER_SERVER_BIN is {binary!r}; set it to the built indexer-server")
-    servers[name] = Server(binary, ["--device=cpu", "--listen=127.0.0.1:0", f"--head_dim={HEAD_DIM}",
+    servers[name] = Server(binary, ["--device=cpu", f"--head_dim={HEAD_DIM}",
                                     "--capacity=64", "--cpu_threads=1", "--not_serving_seconds=0",
                                     f"--tls_cert={path('pki/server.pem')}",
                                     f"--tls_key={path('pki/server.key')}"] + list(flags))

@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
 """A scheduler's decode loop against indexer-server: prefill, decode, speculate, release.
 
-Random numbers stand in for the model's index keys and queries. Run it with
-  PYTHONPATH=<build>/python:client/python python3 client/python/examples/decode_loop.py
+Random numbers stand in for the model's index keys and queries. After
+`pip install ./client/python`, run it against a server with
+  python3 client/python/examples/decode_loop.py --server HOST:PORT   (or unix:/path/to.sock)
+Every answer is a dataclass of numpy arrays: AppendResult.lengths is int64 [layers],
+Selection.block_ids int32 [n][H][topk], page_table int32 [n][H][topk * pages_per_block],
+context_lens int32 [n][H].
 """
 import argparse
 import itertools
@@ -21,7 +25,8 @@ def blocks(tokens):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--server", default="127.0.0.1:50051", help="indexer-server host:port")
+    parser.add_argument("--server", default="127.0.0.1:50051",
+                        help="indexer-server target: host:port, or unix:/path/to.sock")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
 
@@ -60,11 +65,13 @@ def main():
                 length[sid] += n
                 sel = client.select_blocks(sid, queries(n), topk=TOPK, init_blocks=INIT_BLOCKS,
                                            local_blocks=LOCAL_BLOCKS)
-            print(f"prefill {sid}: {r.lengths[0]} tokens in {r.num_blocks} blocks; last chunk's "
-                  f"block ids {sel.block_ids.shape}, page table {sel.page_table.shape}")
+            print(f"prefill {sid}: {r.lengths.tolist()} tokens per layer in {r.num_blocks} blocks; "
+                  f"last chunk's block ids {sel.block_ids.dtype} {sel.block_ids.shape}, page "
+                  f"table {sel.page_table.shape}")
 
         # Decode: per step and layer, ONE call over the open stream carries, for every live
-        # sequence, the new token's key and its query (append, then select, atomically).
+        # sequence, the new token's key and its query (append, then select, atomically). A step
+        # not answered within 5 s raises IndexerError (DEADLINE_EXCEEDED).
         with client.open_stream() as stream:
             for step in range(4):
                 new_attn = {sid: opened(sid, 1) for sid in length}  # opened by layer 0's append
@@ -73,7 +80,7 @@ def main():
                                   attention_pages=new_attn[sid] if layer == 0 else (),
                                   topk=TOPK, init_blocks=INIT_BLOCKS, local_blocks=LOCAL_BLOCKS)
                              for sid in length]
-                    results = stream.step(items)
+                    results = stream.step(items, timeout=5.0)
                     # Attention reads results[i].page_table[0][h][:context_lens...] per head.
                     sel = results[0]
                     print(f"decode step {step} layer {layer}: seq-0 position {sel.start_position}, "
@@ -97,7 +104,8 @@ def main():
             length[sid] += accepted
             del attn[sid][r.num_blocks:]  # blocks past the new length are gone (free their pages)
             print(f"speculate {sid}: positions {sel.positions.tolist()} -> block ids "
-                  f"{sel.block_ids.shape}; accepted {accepted}/{drafts}, length now {r.lengths[0]}")
+                  f"{sel.block_ids.shape}; accepted {accepted}/{drafts}, lengths now "
+                  f"{r.lengths.tolist()}")
 
         for sid in length:
             print(f"release {sid}: {client.release(sid).pages_freed} pages freed")

@@ -1,54 +1,39 @@
-"""Loads the generated protobuf/gRPC stubs, which live in the build tree, not in this package.
+"""The generated protobuf and gRPC modules, which the package build writes into
+indexer_client/_proto (build_stubs.py); they are never committed.
 
-The CMake build writes them to <build>/python (target indexer_python_stubs); generate_stubs.sh
-writes the same files anywhere. Either way that directory must be on sys.path, e.g.
-PYTHONPATH=<build>/python:client/python.
+Health checks use grpcio-health-checking's modules when that package is installed (so that a
+process holding both registers the health messages once), else the package's own.
 """
-import importlib
-import os
-import sys
-
 __all__ = ["pb", "pb_grpc", "health_modules"]
 
 _HINT = (
-    "The indexer's generated Python stubs were not found on sys.path ({missing}).\n"
-    "Generate them, then put their directory on PYTHONPATH before client/python:\n"
-    "  * with the CMake build: `ninja indexer_python_stubs` (built by default) writes <build>/python;\n"
-    "    run with PYTHONPATH=<build>/python:client/python\n"
-    "  * without it: client/python/generate_stubs.sh OUT_DIR (protoc + grpc_python_plugin, from\n"
-    "    Debian's protobuf-compiler and protobuf-compiler-grpc); run with PYTHONPATH=OUT_DIR:client/python"
+    "indexer_client's generated stubs are missing ({missing}). They are made when the package "
+    "is built: install it with `pip install ./client/python` (offline, with Debian's packages: "
+    "add --no-deps --no-build-isolation), which needs protoc and grpc_python_plugin (Debian: "
+    "protobuf-compiler, protobuf-compiler-grpc). A source checkout without installing is not "
+    "importable; the CMake build installs the package into <build>/python for the tests."
 )
 
 try:
-    from indexer.v1 import indexer_pb2 as pb
-    from indexer.v1 import indexer_pb2_grpc as pb_grpc
-except ImportError as e:  # pragma: no cover - depends on the environment
+    from indexer_client._proto import indexer_pb2 as pb
+    from indexer_client._proto import indexer_pb2_grpc as pb_grpc
+except ImportError as e:  # pragma: no cover - depends on how the package was built
     raise ImportError(_HINT.format(missing=e)) from e
 
 
 def health_modules():
-    """Returns (health_pb2, health_pb2_grpc), generated from grpc/health/v1/health.proto.
-
-    The stubs sit in <stubs>/grpc/health/v1, but the installed `grpc` package is a regular
-    package whose __path__ hides that folder; so the folder is added to grpc.__path__.
-    """
-    import grpc
-
+    """Returns (health_pb2, health_pb2_grpc) of grpc.health.v1; ImportError when neither
+    grpcio-health-checking's nor the package's own (built from grpc/health/v1/health.proto)
+    exist."""
     try:
-        return _import_health()
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        return health_pb2, health_pb2_grpc
     except ImportError:
         pass
-    for entry in sys.path:
-        folder = os.path.join(entry or ".", "grpc")
-        if os.path.isfile(os.path.join(folder, "health", "v1", "health_pb2.py")):
-            if folder not in grpc.__path__:
-                grpc.__path__.append(folder)
-            importlib.invalidate_caches()
-            return _import_health()
-    raise ImportError(_HINT.format(missing="grpc/health/v1/health_pb2.py, from "
-                                   "/usr/share/grpc-proto/grpc/health/v1/health.proto"))
-
-
-def _import_health():
-    from grpc.health.v1 import health_pb2, health_pb2_grpc
-    return health_pb2, health_pb2_grpc
+    try:
+        from indexer_client._proto import health_pb2, health_pb2_grpc
+        return health_pb2, health_pb2_grpc
+    except ImportError:
+        raise ImportError("no health stubs: the package was built without "
+                          "grpc/health/v1/health.proto (Debian: grpc-proto) and "
+                          "grpcio-health-checking is not installed") from None

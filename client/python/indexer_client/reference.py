@@ -16,6 +16,7 @@ BLOCK_SIZE = 128
 INIT_SCORE = np.float32(1e30)
 LOCAL_SCORE = np.float32(1e29)
 EMPTY_SCORE = np.float32(-1e30)
+_NO_LENGTHS = np.zeros(0, np.int64)
 
 
 def reference_select(keys, queries, p0: int, topk: int, init_blocks: int, local_blocks: int,
@@ -58,7 +59,7 @@ def reference_select(keys, queries, p0: int, topk: int, init_blocks: int, local_
         k = min(topk, visible)
         block_ids[i, :, :k] = order[:, :k]
     if attn_pages is None:
-        return Selection(start_position=p0, lengths=(), block_ids=block_ids)
+        return Selection(start_position=p0, lengths=_NO_LENGTHS, block_ids=block_ids)
 
     page_table = np.zeros((n, heads, topk * pages_per_block), np.int32)
     context_lens = np.zeros((n, heads), np.int32)
@@ -75,5 +76,6 @@ def reference_select(keys, queries, p0: int, topk: int, init_blocks: int, local_
                     base + np.arange(pages_per_block)
             context_lens[i, h] = (len(full) * BLOCK_SIZE + (p + 1 - BLOCK_SIZE * self_block)
                                   if tail else min(len(full) * BLOCK_SIZE, p + 1))
-    return Selection(start_position=p0, lengths=(), block_ids=block_ids, page_table=page_table,
-                     context_lens=context_lens, pages_per_block=pages_per_block)
+    return Selection(start_position=p0, lengths=_NO_LENGTHS, block_ids=block_ids,
+                     page_table=page_table, context_lens=context_lens,
+                     pages_per_block=pages_per_block)

@@ -10,16 +10,21 @@ other servers' results are kept. fork() needs source and target on one server: u
 ("{conv7}.a", "{conv7}.b").
 """
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import grpc
 
-from indexer_client.client import IndexerClient, IndexerError, Step
+from indexer_client import _rpc
+from indexer_client._channel import DEFAULT
+from indexer_client.client import IndexerClient
+from indexer_client.errors import IndexerError
 from indexer_client.hash_ring import DEFAULT_VIRTUAL_NODES, HashRing
+from indexer_client.steps import Step
 
 
 class ShardedClient:
-    """Clients of `targets` ("host:port" each); keyword arguments go to every IndexerClient."""
+    """Clients of `targets` ("host:port" or "unix:/path" each); keyword arguments go to every
+    IndexerClient. Every method takes `timeout=` as IndexerClient's do."""
 
     def __init__(self, targets: Sequence[str], virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
                  **client_options):
@@ -48,48 +53,59 @@ class ShardedClient:
     def select_blocks(self, sequence_id: str, queries, **step):
         return self.client_for(sequence_id).select_blocks(sequence_id, queries, **step)
 
-    def release(self, sequence_id: str):
-        return self.client_for(sequence_id).release(sequence_id)
+    def release(self, sequence_id: str, *, timeout=DEFAULT):
+        return self.client_for(sequence_id).release(sequence_id, timeout=timeout)
 
-    def truncate(self, sequence_id: str, length: int):
-        return self.client_for(sequence_id).truncate(sequence_id, length)
+    def truncate(self, sequence_id: str, length: int, *, timeout=DEFAULT):
+        return self.client_for(sequence_id).truncate(sequence_id, length, timeout=timeout)
 
-    def get_sequence(self, sequence_id: str):
-        return self.client_for(sequence_id).get_sequence(sequence_id)
+    def get_sequence(self, sequence_id: str, *, timeout=DEFAULT):
+        return self.client_for(sequence_id).get_sequence(sequence_id, timeout=timeout)
 
-    def fork(self, source_id: str, target_id: str, length: Optional[int] = None):
+    def fork(self, source_id: str, target_id: str, length: Optional[int] = None, *,
+             timeout=DEFAULT):
         source = self.server_index(source_id)
         if self.server_index(target_id) != source:
             raise IndexerError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"fork source {source_id!r} lives on {self.targets[source]} but "
                                f"target {target_id!r} hashes to {self.target_for(target_id)}; give "
                                "both ids one hash tag (e.g. '{conv}.a' and '{conv}.b')")
-        return self.clients[source].fork(source_id, target_id, length)
+        return self.clients[source].fork(source_id, target_id, length, timeout=timeout)
 
     # --- many sequences ------------------------------------------------------------------------
 
     def batch(self, steps: Iterable[Step], request_id: int = 0,
-              return_exceptions: bool = False) -> list:
+              return_exceptions: bool = False, *, timeout=DEFAULT) -> list:
         """One decode step over every server: results (or errors) in step order."""
         steps = list(steps)
         parts = {}
         for i, step in enumerate(steps):
             parts.setdefault(self.server_index(step.sequence_id), []).append(i)
 
-        def run(server: int, indices: List[int]):
-            return self.clients[server].batch([steps[i] for i in indices], request_id,
-                                              return_exceptions=True)
-
-        futures = {server: self._pool.submit(run, server, indices) for server, indices in parts.items()}
+        # Every part is built (and its shapes checked) before any is sent, so a ValueError
+        # leaves every server untouched; a server whose ServerInfo fails fails its part only.
+        calls, failed = {}, {}
+        for server, indices in parts.items():
+            client = self.clients[server]
+            try:
+                calls[server] = _rpc.batch([steps[i] for i in indices], request_id, True,
+                                           client.shapes(timeout))
+            except IndexerError as e:
+                failed[server] = e
+        futures = {server: self._pool.submit(self.clients[server]._run, call, timeout)
+                   for server, call in calls.items()}
         results: list = [None] * len(steps)
         for server, indices in parts.items():
             try:
+                if server in failed:
+                    raise failed[server]
                 answers = futures[server].result()
             except IndexerError as e:  # the whole part failed
                 answers = [e] * len(indices)
             for i, answer in zip(indices, answers):
                 if isinstance(answer, IndexerError):
-                    answer = IndexerError(answer.code, f"{self.targets[server]}: {answer.message}", i)
+                    answer = IndexerError(answer.code,
+                                          f"{self.targets[server]}: {answer.message}", i)
                 results[i] = answer
         if not return_exceptions:
             for r in results:
@@ -97,8 +113,8 @@ class ShardedClient:
                     raise r
         return results
 
-    def server_info_all(self) -> list:
-        return [c.server_info() for c in self.clients]
+    def server_info_all(self, *, timeout=DEFAULT) -> list:
+        return [c.server_info(timeout=timeout) for c in self.clients]
 
     def wait_until_serving(self, timeout: float = 10.0) -> None:
         for c in self.clients:

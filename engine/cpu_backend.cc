@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu_fast_scores.h"
 #include "kernels/cpu_reference.h"
 
 namespace indexer::engine {
@@ -160,7 +161,7 @@ absl::Status CpuBackend::Select(std::span<const SelectTask> global_tasks,
   pool_.ParallelFor(static_cast<int64_t>(units.size()), [&](int64_t u) {
     const Unit& unit = units[u];
     const SelectTask& task = tasks[unit.task];
-    kernels::ScoreBlocks(LayerView(task.layer), task.span, unit.block_begin, unit.block_end,
+    kernels::ScoreBlocksFast(LayerView(task.layer), task.span, unit.block_begin, unit.block_end,
                          raw[unit.task].data(), v_max[unit.task]);
   });
 

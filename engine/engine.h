@@ -22,6 +22,7 @@
 // charged to the tenant, up to its page quota (PageQuotas, given at construction).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -34,57 +35,17 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "engine/batch_call.h"
 #include "engine/call_control.h"
 #include "engine/call_gate.h"
 #include "engine/config.h"
+#include "engine/engine_core.h"
 #include "engine/engine_observer.h"
 #include "engine/key_cache_backend.h"
 #include "engine/page_pool.h"
-#include "engine/select_batcher.h"
-#include "engine/sequence_table.h"
-#include "engine/wire_values.h"
+#include "engine/step_request.h"
 
 namespace indexer::engine {
-
-// Keys to append to one sequence (SPEC.md "Append"). Views into the caller's request.
-struct AppendRequest {
-  absl::string_view sequence_id;
-  int64_t layer = 0;
-  bool all_layers = false;  // keys are [n][layers][head_dim] instead of [n][head_dim]
-  WireDtype dtype = WireDtype::kUnspecified;
-  absl::string_view keys;
-  std::span<const int32_t> attention_pages;  // one per block the append opens, or none
-  // The caller's tenant (last, so that positional initialisers need not name it). Inside a
-  // StepRequest the step's tenant counts and this one is ignored.
-  absl::string_view tenant = kDefaultTenant;
-};
-
-// One step for one sequence: an optional append, then a selection when `queries` is non-empty.
-struct StepRequest {
-  absl::string_view sequence_id;
-  int64_t layer = 0;
-  std::optional<AppendRequest> append;  // its sequence_id must be empty or equal
-  std::optional<int64_t> start_position;
-  int64_t num_heads = 0;
-  WireDtype query_dtype = WireDtype::kUnspecified;
-  absl::string_view queries;  // [n][H][head_dim]
-  std::optional<int64_t> topk, init_blocks, local_blocks;
-  absl::string_view tenant = kDefaultTenant;  // the caller's tenant
-};
-
-struct StepResult {
-  bool created = false;        // the append created the sequence
-  std::vector<int64_t> lengths;  // per layer, after the append
-  int64_t num_blocks = 0;
-  // The selection, when the step had queries.
-  int num_tokens = 0;
-  int num_heads = 0;
-  int topk = 0;
-  int64_t start_position = 0;
-  std::vector<int32_t> block_ids;     // [n][H][topk]
-  std::vector<int32_t> page_table;    // [n][H][topk * pages_per_block], with attention pages
-  std::vector<int32_t> context_lens;  // [n][H], with attention pages
-};
 
 struct SequenceInfo {
   int device = 0;  // index of the device holding its pages
@@ -162,6 +123,17 @@ class Engine {
   std::vector<absl::StatusOr<StepResult>> Batch(std::span<const StepRequest> items,
                                                 const CallControl& control = {});
 
+  // Batch without holding the calling thread: the call's work is staged on the calling thread
+  // (and on the threads that end its device steps) and `done` runs once it has ended, on any
+  // thread, possibly before BatchAsync returns. What the sync forms answer per item, `done` gets
+  // the same way; its `call` status is not OK only when the call failed whole (its answer could
+  // not fit max_response_bytes even as errors), and then nothing was applied. `items`, what they
+  // view, `control` and `sink` must stay valid until `done` runs; with `sink`, selection outputs
+  // are written where it says instead of into StepResult's vectors. A sequence another call is
+  // using makes this call wait, without a thread, until that call has answered.
+  void BatchAsync(std::span<const StepRequest> items, const CallControl& control, OutputSink* sink,
+                  BatchDone done);
+
   // Removes a sequence; returns the pages returned to the pool.
   absl::StatusOr<int64_t> Release(absl::string_view sequence_id,
                                   absl::string_view tenant = kDefaultTenant);
@@ -208,61 +180,25 @@ class Engine {
   // (index) it was on. On any error the engine is left empty. Page quotas are not enforced on
   // restored pages (they are charged).
   absl::Status RestoreSnapshot(const std::string& path, SnapshotStats* stats = nullptr);
-  const EngineConfig& config() const { return config_; }
+  const EngineConfig& config() const { return core_->config; }
   // Device 0's backend (the only one of a one-device engine).
-  const KeyCacheBackend& backend() const { return *devices_[0].backend; }
-  int num_devices() const { return static_cast<int>(devices_.size()); }
-  const KeyCacheBackend& backend(int device) const { return *devices_[device].backend; }
-  const DeviceSlot& slot(int device) const { return devices_[device].slot; }
+  const KeyCacheBackend& backend() const { return *core_->devices[0].backend; }
+  int num_devices() const { return static_cast<int>(core_->devices.size()); }
+  const KeyCacheBackend& backend(int device) const { return *core_->devices[device].backend; }
+  const DeviceSlot& slot(int device) const { return core_->devices[device].slot; }
 
  private:
-  struct PreparedAppend;
-  struct PreparedStep;
-
-  absl::Status PrepareAppend(const AppendRequest& request, absl::string_view step_sequence_id,
-                             PreparedAppend* out) const;
-  absl::Status PrepareStep(const StepRequest& request, PreparedStep* out) const;
-  // Applies `append`. Pages it copied on write stay referenced in *replaced as (block, original
-  // page): the caller releases them once the step has succeeded, or swaps them back.
-  // With `deferred`, the keys are not written: the write is added to *deferred (its block table
-  // points into seq.pages, valid while the sequence stays locked and unchanged) for the caller to
-  // issue with others in one WriteKeysBatch, and to undo the append if that fails.
-  struct DeferredWrite {
-    KeyWrite write;
-    std::vector<int64_t> starts;  // write.layer_start points here
-  };
-  absl::Status ApplyAppend(Sequence& seq, const PreparedAppend& append,
-                           std::vector<std::pair<int64_t, int32_t>>* replaced,
-                           DeferredWrite* deferred = nullptr);
-  absl::Status CheckSpan(const Sequence& seq, PreparedStep& step) const;
-  // `budget`: bytes of answer the call may still return (negative: no limit).
-  // Selections go through the batcher, which checks `control` again before it launches them.
-  void RunWave(std::span<PreparedStep*> wave, std::vector<absl::StatusOr<StepResult>>& results,
-               int64_t& budget, const CallControl& control);
-  int64_t AnswerBytes(const PreparedStep& step, bool attn_pages) const;
-  void ReleaseReplaced(const std::vector<std::pair<int64_t, int32_t>>& replaced);
-  // The device for a new sequence that will first need `blocks` pages: the most free pages net
-  // of `planned` (pages this wave's new sequences will take, per device: the caller adds a
-  // sequence's pages once it was created), ties to the lower index. `free` and `planned` are
-  // filled on first use.
-  int PlaceNew(int64_t blocks, std::vector<int64_t>& free, std::vector<int64_t>& planned) const;
-  // ReadPages / WritePages for global page ids on any devices (split into runs per device).
+  // ReadPages / WritePages for global page ids on any devices: `move(backend, run, offset)`
+  // for each run of consecutive pages on one device, `offset` its first page's index in `pages`.
+  template <typename Move>
+  absl::Status ForEachDeviceRun(std::span<const int32_t> pages, Move move);
   absl::Status ReadPagesAnyDevice(std::span<const int32_t> pages, uint8_t* dst);
   absl::Status WritePagesAnyDevice(std::span<const int32_t> pages, const uint8_t* src);
-  KeyCacheBackend& BackendOf(const Sequence& seq) { return *devices_[seq.device].backend; }
 
-  struct Device {
-    DeviceSlot slot;
-    std::unique_ptr<KeyCacheBackend> backend;
-    // After backend: destroyed (drained and joined) before the backend it launches on.
-    std::unique_ptr<SelectBatcher> batcher;
-  };
-
-  const EngineConfig config_;
-  std::vector<Device> devices_;
-  PagePool pool_;
-  SequenceTable sequences_;
-  // Every call holds a pass; snapshots pause it. Mutable: Get() is const but must wait too.
+  std::unique_ptr<EngineCore> core_;
+  std::atomic<EngineObserver*> observer_{nullptr};
+  // Every call holds a pass; snapshots pause it, and destruction waits for the calls in flight.
+  // Mutable: Get() is const but must wait too.
   mutable CallGate gate_;
 };
 

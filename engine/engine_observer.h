@@ -12,10 +12,28 @@
 
 namespace indexer::engine {
 
+// Where one Batch call's time went in the engine (Engine::Batch and its async form), summed
+// over its waves: checking the items, taking the sequences' locks (waiting for busy ones
+// included), applying appends and staging the groups for the batchers, waiting in the select
+// queue, the backend's staging, the device's work and the results' scatter (StepTiming, the
+// slowest group of each wave), and committing or rolling back and answering.
+struct CallPhases {
+  absl::Duration validate;
+  absl::Duration lock;
+  absl::Duration apply;
+  absl::Duration queue;
+  absl::Duration stage;
+  absl::Duration device;
+  absl::Duration scatter;
+  absl::Duration complete;
+};
+
 class EngineObserver {
  public:
   virtual ~EngineObserver() = default;
-  // One KeyCacheBackend::Select call: how many span selections it ran and how long it took.
+  // One backend step that selected (KeyCacheBackend::Run, or Select): how many span selections
+  // it ran and how long it took, its key writes included. Steps of key writes alone are not
+  // reported, nor are their groups below.
   virtual void OnBackendSelect(int64_t tasks, absl::Duration took) = 0;
   // One backend launch of the SelectBatcher: how many groups (one per call's wave chunk) it
   // merged. Not called with batching off.
@@ -25,6 +43,8 @@ class EngineObserver {
   // One group was refused or dropped before its launch: RESOURCE_EXHAUSTED (the queue bound),
   // DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE (shutting down).
   virtual void OnBatchDropped(absl::StatusCode /*why*/) {}
+  // One Batch, Select or Append call ended: where its time went.
+  virtual void OnCallPhases(const CallPhases& /*phases*/) {}
 };
 
 }  // namespace indexer::engine

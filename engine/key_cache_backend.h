@@ -7,30 +7,26 @@
 // aborts the process. A backend whose device can no longer be used (a fault that leaves the device
 // unusable, such as a sticky CUDA error) says so in Health() and fails every later call at once
 // with that status (UNAVAILABLE: engine/device_failure.h) without touching the device again.
+//
+// The engine's hot path is Run: one step's key writes and selections in one round trip to the
+// device. The other calls are synchronous and serve copy-on-write, snapshots and tests.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "kernels/select_types.h"
 
 namespace indexer::engine {
 
-// Keys for `num_tokens` tokens of layers [layer_begin, layer_begin + layer_count) of one
-// sequence, as bf16 bits laid out [num_tokens][layer_count][head_dim]. Layer layer_begin + l
-// receives them at positions [layer_start[l], layer_start[l] + num_tokens); position t goes to
-// page block_table[t / 128], slot t % 128.
-struct KeyWrite {
-  const int32_t* block_table = nullptr;
-  int64_t num_tokens = 0;
-  int layer_begin = 0;
-  int layer_count = 1;
-  const int64_t* layer_start = nullptr;  // [layer_count]
-  const uint16_t* keys = nullptr;
-};
+// Keys to store for one sequence (kernels/select_types.h): host memory, global page ids.
+using KeyWrite = kernels::KeyWrite;
 
 // Where a backend's pages live: device `ordinal`, holding global page ids
 // [first_page, first_page + num_pages). Callers always pass global ids; the backend translates.
@@ -40,7 +36,40 @@ struct DeviceSlot { int ordinal = 0; int64_t first_page = 0; int64_t num_pages =
 struct SelectTask {
   int layer = 0;
   kernels::SpanSelect span;
+
+  int64_t Scores() const { return kernels::SpanScores(span); }
 };
+
+// One launch's work: every key write first, then every selection (which sees what the writes
+// stored). Writes and selections of one step touch pages no concurrent step writes.
+struct BackendStep {
+  std::span<const KeyWrite> writes;
+  std::span<const SelectTask> selects;
+};
+
+// Where a step's time went, for the server's breakdown (zero where a backend does not tell):
+// the group's wait in the SelectBatcher's queue (filled by the batcher), staging on the host
+// until the device had the step, the device's work until its completion was seen, and the
+// results' scatter into the callers' outputs.
+struct StepTiming {
+  absl::Duration queue;
+  absl::Duration stage;
+  absl::Duration device;
+  absl::Duration scatter;
+};
+
+// How a step ended: the writes' status, and the selections' (the writes' status when they
+// failed, since the selections did not run then).
+struct StepStatus {
+  absl::Status writes;
+  absl::Status selects;
+  StepTiming timing;
+
+  bool ok() const { return writes.ok() && selects.ok(); }
+};
+
+// Called exactly once when a step has ended.
+using StepDone = absl::AnyInvocable<void(StepStatus) &&>;
 
 class KeyCacheBackend {
  public:
@@ -57,12 +86,26 @@ class KeyCacheBackend {
   // engine reports it per device (Engine::Health, DeviceStats::health). The default: always OK.
   virtual absl::Status Health() const { return absl::OkStatus(); }
 
+  // Runs `step` and calls `done` once its writes are stored (visible to every later call, on any
+  // thread) and its selections' outputs are written, or once it failed. `done` runs on any
+  // thread, possibly before Run returns; Run never blocks for the device's work when
+  // RunsAsync() (the call's thread is free while the device works). The step's spans and
+  // everything they point to must stay valid, and the outputs untouched, until `done` is called.
+  // At most MaxConcurrentSteps() steps may be running at once (the SelectBatcher keeps to it).
+  // The default runs WriteKeysBatch, then Select, on the calling thread.
+  virtual void Run(const BackendStep& step, const kernels::PageTableParams& page_table,
+                   StepDone done);
+  // Whether Run returns while the device still works on the step (so that launching costs the
+  // caller's thread only the staging): the SelectBatcher then launches on any thread, never
+  // handing a step to a thread of its own.
+  virtual bool RunsAsync() const { return false; }
+  virtual int MaxConcurrentSteps() const { return INT_MAX; }
+
   // Stores keys, converting bf16 to the cache's storage type.
   virtual absl::Status WriteKeys(const KeyWrite& write) = 0;
 
-  // Several writes at once (the appends of one wave of a Batch, each to its own pages), so that
-  // a decode step of many sequences costs one device round trip instead of one each. On failure
-  // any of them may have been partly applied. The default writes them one by one.
+  // Several writes at once, each to its own pages. On failure any of them may have been partly
+  // applied. The default writes them one by one.
   virtual absl::Status WriteKeysBatch(std::span<const KeyWrite> writes);
 
   // Copies page `src` to page `dst` in every layer (copy-on-write of a shared page).
@@ -77,11 +120,15 @@ class KeyCacheBackend {
   // with no conversion. For restoring snapshots. The default says the backend cannot.
   virtual absl::Status WritePages(std::span<const int32_t> pages, const uint8_t* src);
 
-  // Runs every task and fills its outputs. Tasks are independent; results must not depend on
-  // how tasks are grouped into calls.
+  // Runs every task and fills its outputs, on the calling thread's time. Tasks are independent;
+  // results must not depend on how tasks are grouped into calls.
   virtual absl::Status Select(std::span<const SelectTask> tasks,
                               const kernels::PageTableParams& page_table) = 0;
 };
+
+// Run, waiting for its end: for callers that have a thread to spare (tests, tools).
+StepStatus RunAndWait(KeyCacheBackend& backend, const BackendStep& step,
+                      const kernels::PageTableParams& page_table);
 
 // One device of a server: its slot and the backend built for it (MakeBackends; the Engine takes
 // a list of them, device d owning pages [d * capacity_pages, (d + 1) * capacity_pages)).

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <exception>
+#include <memory>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -9,37 +11,37 @@
 namespace indexer::engine {
 namespace {
 
-// Raw block scores a span's selection holds: one per (token, head, visible block).
-int64_t TaskScores(std::span<const SelectTask> tasks) {
+int64_t Scores(std::span<const SelectTask> tasks) {
   int64_t scores = 0;
-  for (const SelectTask& t : tasks) {
-    scores += int64_t{t.span.num_tokens} * t.span.num_heads *
-              kernels::VisibleBlocks(t.span.start_pos + t.span.num_tokens - 1);
-  }
+  for (const SelectTask& t : tasks) scores += t.Scores();
   return scores;
 }
 
+StepStatus Both(const absl::Status& status) { return StepStatus{status, status}; }
+
 }  // namespace
 
-absl::Status SelectTicket::Wait() {
-  if (!done_.valid()) return absl::InternalError("select ticket waited on twice or never issued");
-  return done_.get();
-}
-
-SelectTicket SelectTicket::Ready(absl::Status status) {
-  std::promise<absl::Status> p;
-  p.set_value(std::move(status));
-  return SelectTicket(p.get_future());
-}
+// One backend Run: the groups it carries and their work, merged (or, for one group, its own
+// spans).
+struct SelectBatcher::Launch {
+  std::vector<Group> groups;
+  std::vector<KeyWrite> writes;
+  std::vector<SelectTask> selects;
+  BackendStep step;
+  absl::Time started;
+};
 
 SelectBatcher::SelectBatcher(KeyCacheBackend& backend, const EngineConfig& config)
     : backend_(backend),
       config_(config.batching),
+      async_(backend.RunsAsync()),
+      slots_(std::max(1, std::min(config.batching.max_inflight, backend.MaxConcurrentSteps()))),
       max_scores_(config.max_select_scores),
       page_table_(config.page_table),
       max_delay_(std::chrono::microseconds(config.batching.max_delay_us)) {
-  if (!config_.enabled) return;
-  for (int i = 0; i < config_.max_inflight; ++i) workers_.emplace_back([this] { Work(); });
+  for (int i = 0; i < std::max(1, config_.max_inflight); ++i) {
+    workers_.emplace_back([this] { Work(); });
+  }
 }
 
 SelectBatcher::~SelectBatcher() {
@@ -49,6 +51,9 @@ SelectBatcher::~SelectBatcher() {
   }
   cv_.notify_all();
   for (std::thread& t : workers_) t.join();
+  // Launches of an asynchronous backend may still be running: their completions touch this.
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return inflight_ == 0; });
 }
 
 int64_t SelectBatcher::queued_tasks() const {
@@ -56,85 +61,68 @@ int64_t SelectBatcher::queued_tasks() const {
   return queued_tasks_;
 }
 
-SelectTicket SelectBatcher::Submit(std::span<const SelectTask> tasks, const CallControl& control,
-                                   bool may_run_here) {
-  if (tasks.empty()) return SelectTicket::Ready(absl::OkStatus());
+void SelectBatcher::Submit(std::span<const KeyWrite> writes, std::span<const SelectTask> selects,
+                           const CallControl& control, GroupDone done, bool may_run_here) {
+  if (writes.empty() && selects.empty()) {
+    std::move(done)(StepStatus{});
+    return;
+  }
   EngineObserver* observer = observer_.load();
-  // A call that has already run out of time (it may have waited long for its sequences' locks)
-  // or was cancelled is not selected, whichever path it would take.
+  // A call that has already run out of time (it may have waited for its sequences) or was
+  // cancelled is not run, whichever path it would take.
   if (absl::Status late = control.Check(); !late.ok()) {
     if (observer != nullptr) observer->OnBatchDropped(late.code());
-    return SelectTicket::Ready(std::move(late));
+    std::move(done)(Both(late));
+    return;
   }
   if (!config_.enabled) {
+    // No batching: the group is its own launch, run on this thread.
     const absl::Time start = absl::Now();
-    absl::Status status = GuardedSelect(tasks);
-    if (observer != nullptr) {
-      observer->OnBackendSelect(static_cast<int64_t>(tasks.size()), absl::Now() - start);
-    }
-    return SelectTicket::Ready(std::move(status));
+    const int64_t tasks = static_cast<int64_t>(selects.size());
+    backend_.Run(BackendStep{writes, selects}, page_table_,
+                 [observer, start, tasks, done = std::move(done)](StepStatus status) mutable {
+                   if (observer != nullptr && tasks > 0) {
+                     observer->OnBackendSelect(tasks, absl::Now() - start);
+                   }
+                   std::move(done)(std::move(status));
+                 });
+    return;
   }
-  const int64_t n = static_cast<int64_t>(tasks.size());
+  Group g{writes, selects, &control, Scores(selects), Clock::now(), absl::ZeroDuration(),
+          std::move(done)};
+  const int64_t n = static_cast<int64_t>(selects.size());
+  std::unique_ptr<Launch> now;
   absl::Status refused;
-  bool run_here = false;
-  std::future<absl::Status> done;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    const bool run_here_ok = async_ || (may_run_here && g.scores <= kInlineScores);
     if (stopping_) {
       refused = absl::UnavailableError("the server is shutting down; the selection was not run");
-    } else if (may_run_here && max_delay_ == Clock::duration::zero() && queue_.empty() &&
-               inflight_ < config_.max_inflight) {
-      // Nothing waits and the backend has room: this launch could merge with nothing, so run it
-      // now on this thread rather than pay two thread hand-offs. What arrives meanwhile queues.
-      ++inflight_;
-      run_here = true;
     } else if (queued_tasks_ > 0 && queued_tasks_ + n > config_.queue_bound) {
       refused = absl::ResourceExhaustedError(absl::StrCat(
           "the select queue holds ", queued_tasks_, " span selections waiting for the backend and "
           "this call's ", n, " would pass batch_queue_bound ", config_.queue_bound,
           ": the server is overloaded; retry later"));
     } else {
-      Group& g = queue_.emplace_back();
-      g.tasks = tasks;
-      g.control = &control;
-      g.scores = TaskScores(tasks);
-      g.enqueued = Clock::now();
-      done = g.done.get_future();
+      queue_.push_back(std::move(g));
       queued_tasks_ += n;
+      // Nothing waits and a slot is free: this group could merge with nothing, so launch it now
+      // on this thread rather than pay two thread hand-offs. What arrives meanwhile queues.
+      if (run_here_ok && max_delay_ == Clock::duration::zero() && queue_.size() == 1 &&
+          inflight_ < slots_) {
+        now = TakeLocked();
+      }
     }
-  }
-  if (run_here) {
-    if (observer != nullptr) observer->OnBatchQueued(absl::ZeroDuration());
-    const absl::Time start = absl::Now();
-    absl::Status status = GuardedSelect(tasks);
-    if (observer != nullptr) {
-      observer->OnBackendSelect(n, absl::Now() - start);
-      observer->OnBatchLaunched(1);
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      --inflight_;
-    }
-    cv_.notify_all();  // a worker may be waiting for the launch slot this call held
-    return SelectTicket::Ready(std::move(status));
   }
   if (!refused.ok()) {
     if (observer != nullptr) observer->OnBatchDropped(refused.code());
-    return SelectTicket::Ready(std::move(refused));
+    std::move(g.done)(Both(refused));
+    return;
   }
-  cv_.notify_all();
-  return SelectTicket(std::move(done));
-}
-
-// The backend's Select, with an exception (say std::bad_alloc from a staging vector) turned into
-// INTERNAL: it must neither end a worker thread (std::terminate) nor skip the caller's clean-up.
-absl::Status SelectBatcher::GuardedSelect(std::span<const SelectTask> tasks) {
-  try {
-    return backend_.Select(tasks, page_table_);
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("the backend's selection failed: ", e.what()));
-  } catch (...) {
-    return absl::InternalError("the backend's selection failed with an unknown exception");
+  if (now != nullptr) {
+    Start(std::move(now), /*checked=*/true);
+  } else {
+    cv_.notify_all();
   }
 }
 
@@ -143,15 +131,33 @@ bool SelectBatcher::ReadyLocked(Clock::time_point now) const {
          now >= queue_.front().enqueued + max_delay_;
 }
 
+std::unique_ptr<SelectBatcher::Launch> SelectBatcher::TakeLocked() {
+  auto launch = std::make_unique<Launch>();
+  int64_t tasks = 0;
+  int64_t scores = 0;
+  while (!queue_.empty()) {
+    Group& g = queue_.front();
+    const int64_t n = static_cast<int64_t>(g.selects.size());
+    if (!launch->groups.empty() &&
+        (tasks + n > config_.max_tasks || scores + g.scores > max_scores_)) {
+      break;
+    }
+    tasks += n;
+    scores += g.scores;
+    queued_tasks_ -= n;
+    launch->groups.push_back(std::move(g));
+    queue_.pop_front();
+  }
+  ++inflight_;
+  return launch;
+}
+
 void SelectBatcher::Work() {
-  std::vector<Group> batch;
-  std::vector<SelectTask> merged;
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    // A launch slot and something to launch (or, stopping, nothing left to launch).
+    // A slot and something to launch (or, stopping, nothing left to launch).
     cv_.wait(lock, [this] {
-      return (stopping_ && queue_.empty()) ||
-             (!queue_.empty() && inflight_ < config_.max_inflight);
+      return (stopping_ && queue_.empty()) || (!queue_.empty() && inflight_ < slots_);
     });
     if (queue_.empty()) return;  // stopping, and nothing left to launch
     if (!ReadyLocked(Clock::now())) {
@@ -160,66 +166,90 @@ void SelectBatcher::Work() {
       cv_.wait_until(lock, queue_.front().enqueued + max_delay_);
       continue;
     }
-    int64_t tasks = 0;
-    int64_t scores = 0;
-    while (!queue_.empty()) {
-      Group& g = queue_.front();
-      const int64_t n = static_cast<int64_t>(g.tasks.size());
-      if (!batch.empty() && (tasks + n > config_.max_tasks || scores + g.scores > max_scores_)) {
-        break;
-      }
-      tasks += n;
-      scores += g.scores;
-      queued_tasks_ -= n;
-      batch.push_back(std::move(g));
-      queue_.pop_front();
-    }
-    ++inflight_;
+    std::unique_ptr<Launch> launch = TakeLocked();
     // What is left may already fill another launch: let an idle worker look at it.
     if (!queue_.empty()) cv_.notify_all();
     lock.unlock();
-    Launch(batch, merged);
-    batch.clear();
+    Start(std::move(launch), /*checked=*/false);
     lock.lock();
-    --inflight_;
-    if (!queue_.empty()) cv_.notify_all();
   }
 }
 
-void SelectBatcher::Launch(std::vector<Group>& batch, std::vector<SelectTask>& merged) {
+void SelectBatcher::Start(std::unique_ptr<Launch> launch, bool checked) {
   EngineObserver* observer = observer_.load();
   const Clock::time_point now = Clock::now();
-  std::vector<Group*> live;
-  live.reserve(batch.size());
-  for (Group& g : batch) {
-    absl::Status status = g.control->Check();
+  std::vector<Group> live;
+  live.reserve(launch->groups.size());
+  for (Group& g : launch->groups) {
+    absl::Status status = checked ? absl::OkStatus() : g.control->Check();
     if (!status.ok()) {
       if (observer != nullptr) observer->OnBatchDropped(status.code());
-      g.done.set_value(std::move(status));
+      std::move(g.done)(Both(status));
       continue;
     }
-    if (observer != nullptr) observer->OnBatchQueued(absl::FromChrono(now - g.enqueued));
-    live.push_back(&g);
+    if (observer != nullptr && !g.selects.empty()) {
+      observer->OnBatchQueued(absl::FromChrono(now - g.enqueued));
+    }
+    g.waited = absl::FromChrono(now - g.enqueued);
+    live.push_back(std::move(g));
   }
-  if (live.empty()) return;
-  std::span<const SelectTask> tasks = live.front()->tasks;
-  absl::Status status;
-  if (live.size() > 1) {
-    try {
-      merged.clear();
-      for (const Group* g : live) merged.insert(merged.end(), g->tasks.begin(), g->tasks.end());
-      tasks = merged;
-    } catch (const std::exception& e) {
-      status = absl::InternalError(absl::StrCat("merging selections failed: ", e.what()));
+  launch->groups = std::move(live);
+  if (launch->groups.empty()) {
+    Finish(launch.release(), StepStatus{});
+    return;
+  }
+  try {
+    if (launch->groups.size() == 1) {
+      launch->step = BackendStep{launch->groups[0].writes, launch->groups[0].selects};
+    } else {
+      for (const Group& g : launch->groups) {
+        launch->writes.insert(launch->writes.end(), g.writes.begin(), g.writes.end());
+        launch->selects.insert(launch->selects.end(), g.selects.begin(), g.selects.end());
+      }
+      launch->step = BackendStep{launch->writes, launch->selects};
+    }
+  } catch (const std::exception& e) {
+    Finish(launch.release(), Both(absl::InternalError(absl::StrCat("merging steps failed: ", e.what()))));
+    return;
+  }
+  launch->started = absl::Now();
+  Launch* raw = launch.release();
+  try {
+    backend_.Run(raw->step, page_table_, [this, raw](StepStatus s) { Finish(raw, std::move(s)); });
+  } catch (const std::exception& e) {
+    // The backend's staging threw (say std::bad_alloc) before it took the step over.
+    Finish(raw, Both(absl::InternalError(absl::StrCat("the backend's step failed: ", e.what()))));
+  }
+}
+
+void SelectBatcher::Finish(Launch* raw, StepStatus status) {
+  std::unique_ptr<Launch> launch(raw);
+  EngineObserver* observer = observer_.load();
+  // Selection metrics count launches that select (a launch of key writes alone is not one).
+  if (observer != nullptr && !launch->step.selects.empty()) {
+    observer->OnBackendSelect(static_cast<int64_t>(launch->step.selects.size()),
+                              absl::Now() - launch->started);
+    int64_t selecting = 0;
+    for (const Group& g : launch->groups) selecting += g.selects.empty() ? 0 : 1;
+    observer->OnBatchLaunched(selecting);
+  }
+  std::unique_ptr<Launch> next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --inflight_;
+    // An asynchronous backend's completion thread starts the next launch at once: the device
+    // stays busy while the callbacks below run.
+    if (async_ && !queue_.empty() && inflight_ < slots_ && ReadyLocked(Clock::now())) {
+      next = TakeLocked();
     }
   }
-  const absl::Time start = absl::Now();
-  if (status.ok()) status = GuardedSelect(tasks);
-  if (observer != nullptr) {
-    observer->OnBackendSelect(static_cast<int64_t>(tasks.size()), absl::Now() - start);
-    observer->OnBatchLaunched(static_cast<int64_t>(live.size()));
+  cv_.notify_all();
+  if (next != nullptr) Start(std::move(next), /*checked=*/false);
+  for (Group& g : launch->groups) {
+    StepStatus own = status;
+    own.timing.queue = g.waited;
+    std::move(g.done)(std::move(own));
   }
-  for (Group* g : live) g->done.set_value(status);
 }
 
 }  // namespace indexer::engine

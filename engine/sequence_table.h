@@ -3,7 +3,8 @@
 // Ids are scoped to their tenant: the table's key is (tenant, id), so a tenant can only ever
 // find its own sequences, and another tenant's id looks exactly like an id that does not exist.
 //
-// A Sequence's fields are guarded by its own mutex `mu`; the table's map by the table's mutex.
+// A Sequence's fields are guarded by its own mutex `mu` (a SequenceMutex: a step may release it
+// from the thread that completes the step); the table's map by the table's mutex.
 // Lock order: never hold the table's mutex while waiting for a sequence's. A sequence removed
 // from the table is marked `released` (under `mu`) so that callers that found it earlier see it
 // is gone once they get its lock.
@@ -18,6 +19,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
+#include "engine/sequence_mutex.h"
 
 namespace indexer::engine {
 
@@ -39,7 +41,7 @@ struct Sequence {
   const std::string tenant;
   const std::string id;
   const int device;  // where its pages live, chosen at creation; forks share it
-  std::mutex mu;
+  SequenceMutex mu;
   bool released = false;
   std::vector<int64_t> lengths;       // tokens per layer
   std::vector<int32_t> pages;         // cache page of each block

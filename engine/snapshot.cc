@@ -227,8 +227,8 @@ absl::Status ReadSnapshotFile(
 
 absl::Status Engine::WriteSnapshot(const std::string& path, SnapshotStats* stats) {
   CallGate::Paused paused(gate_);
-  const std::vector<std::shared_ptr<Sequence>> all = sequences_.All();
-  const int layers = config_.layers;
+  const std::vector<std::shared_ptr<Sequence>> all = core_->sequences.All();
+  const int layers = core_->config.layers;
 
   // Distinct pages in order of first use, and per page and layer how many leading slots hold
   // keys (a page sits at the same block index in every sequence that shares it).
@@ -238,7 +238,7 @@ absl::Status Engine::WriteSnapshot(const std::string& path, SnapshotStats* stats
   std::vector<SnapshotSequence> records(all.size());
   for (size_t i = 0; i < all.size(); ++i) {
     const Sequence& seq = *all[i];
-    std::lock_guard<std::mutex> lock(all[i]->mu);  // no call runs while paused; for the rule
+    std::lock_guard<SequenceMutex> lock(all[i]->mu);  // no call runs while paused; for the rule
     SnapshotSequence& r = records[i];
     r.tenant = seq.tenant;
     r.id = seq.id;
@@ -269,13 +269,13 @@ absl::Status Engine::WriteSnapshot(const std::string& path, SnapshotStats* stats
   SnapshotWriter& writer = **created;
   SnapshotHeader header;
   // One-device servers write version 1, which older servers read too.
-  header.version = devices_.size() > 1 ? kSnapshotVersion : 1;
-  header.devices = static_cast<uint32_t>(devices_.size());
-  header.head_dim = static_cast<uint32_t>(config_.head_dim);
+  header.version = core_->devices.size() > 1 ? kSnapshotVersion : 1;
+  header.devices = static_cast<uint32_t>(core_->devices.size());
+  header.head_dim = static_cast<uint32_t>(core_->config.head_dim);
   header.layers = static_cast<uint32_t>(layers);
-  header.key_storage = static_cast<uint32_t>(config_.key_storage);
+  header.key_storage = static_cast<uint32_t>(core_->config.key_storage);
   header.block_size = static_cast<uint32_t>(kBlockSize);
-  header.page_bytes = static_cast<uint64_t>(config_.BytesPerPage());
+  header.page_bytes = static_cast<uint64_t>(core_->config.BytesPerPage());
   header.num_pages = pages.size();
   header.num_sequences = records.size();
   INDEXER_RETURN_IF_ERROR(writer.WriteHeader(header));
@@ -283,10 +283,10 @@ absl::Status Engine::WriteSnapshot(const std::string& path, SnapshotStats* stats
 
   // Slots past every sequence's length hold whatever the page held before: zero them, so the
   // file holds keys only (and the same state always gives the same file).
-  const int64_t page_bytes = config_.BytesPerPage();
+  const int64_t page_bytes = core_->config.BytesPerPage();
   const int64_t layer_page_bytes = page_bytes / layers;
   const int64_t slot_bytes = layer_page_bytes / kBlockSize;
-  const int64_t chunk = ChunkPages(config_);
+  const int64_t chunk = ChunkPages(core_->config);
   std::vector<uint8_t> buffer(static_cast<size_t>(chunk * page_bytes));
   for (size_t first = 0; first < pages.size(); first += chunk) {
     const int64_t n = std::min<int64_t>(chunk, static_cast<int64_t>(pages.size() - first));
@@ -312,9 +312,9 @@ absl::Status Engine::WriteSnapshot(const std::string& path, SnapshotStats* stats
 
 absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* stats) {
   CallGate::Paused paused(gate_);
-  if (sequences_.size() != 0 || pool_.free_pages() != pool_.total_pages()) {
+  if (core_->sequences.size() != 0 || core_->pool.free_pages() != core_->pool.total_pages()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "cannot restore ", path, ": the engine already holds ", sequences_.size(),
+        "cannot restore ", path, ": the engine already holds ", core_->sequences.size(),
         " sequences; a snapshot is restored into an empty server"));
   }
 
@@ -322,16 +322,16 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
   SnapshotContents plan;
   const int devices = num_devices();
   INDEXER_RETURN_IF_ERROR(ReadSnapshotFile(
-      path, config_, devices, &plan, [&](uint64_t first, int64_t n, const uint8_t* data) {
-        return CheckFinite(path, data, n * config_.BytesPerPage(), config_.key_storage, first,
-                           config_.BytesPerPage());
+      path, core_->config, devices, &plan, [&](uint64_t first, int64_t n, const uint8_t* data) {
+        return CheckFinite(path, data, n * core_->config.BytesPerPage(), core_->config.key_storage, first,
+                           core_->config.BytesPerPage());
       }));
 
-  if (config_.max_sequences > 0 &&
-      static_cast<int64_t>(plan.sequences.size()) > config_.max_sequences) {
+  if (core_->config.max_sequences > 0 &&
+      static_cast<int64_t>(plan.sequences.size()) > core_->config.max_sequences) {
     return absl::FailedPreconditionError(absl::StrCat(
         "snapshot file ", path, " holds ", plan.sequences.size(),
-        " sequences; this server's max_sequences is ", config_.max_sequences));
+        " sequences; this server's max_sequences is ", core_->config.max_sequences));
   }
 
   // Pass 2: take the pages (charged to their tenants), load them, and make sure the file still
@@ -348,7 +348,7 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
   absl::Status status;
   for (const auto& [owner, file_pages] : by_owner) {
     absl::StatusOr<std::vector<int32_t>> got =
-        pool_.Allocate(static_cast<int64_t>(file_pages.size()), owner.first,
+        core_->pool.Allocate(static_cast<int64_t>(file_pages.size()), owner.first,
                        /*enforce_quota=*/false, static_cast<int>(owner.second));
     if (!got.ok()) {
       status = got.status();
@@ -359,7 +359,7 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
   }
   SnapshotContents again;
   if (status.ok()) {
-    status = ReadSnapshotFile(path, config_, devices, &again,
+    status = ReadSnapshotFile(path, core_->config, devices, &again,
                               [&](uint64_t first, int64_t n, const uint8_t* data) {
                                 return WritePagesAnyDevice(
                                     std::span<const int32_t>(page_of.data() + first, n), data);
@@ -372,14 +372,14 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
         absl::StrCat("snapshot file ", path, " changed while it was being restored"));
   }
   if (!status.ok()) {
-    pool_.Release(taken);
+    core_->pool.Release(taken);
     return status;
   }
 
   // Every pool page came with one reference; sequences sharing it take one more each.
   std::vector<bool> first_use(num_pages, true);
   for (const SnapshotSequence& r : plan.sequences) {
-    auto seq = std::make_shared<Sequence>(r.tenant, r.id, config_.layers, static_cast<int>(r.device));
+    auto seq = std::make_shared<Sequence>(r.tenant, r.id, core_->config.layers, static_cast<int>(r.device));
     seq->lengths = r.lengths;
     seq->attn_decided = r.attn_decided;
     seq->has_attn_pages = r.has_attn_pages;
@@ -387,10 +387,10 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
     seq->pages.resize(r.pages.size());
     for (size_t b = 0; b < r.pages.size(); ++b) {
       seq->pages[b] = page_of[r.pages[b]];
-      if (!first_use[r.pages[b]]) pool_.AddRef(std::span<const int32_t>(&seq->pages[b], 1));
+      if (!first_use[r.pages[b]]) core_->pool.AddRef(std::span<const int32_t>(&seq->pages[b], 1));
       first_use[r.pages[b]] = false;
     }
-    sequences_.Insert(std::move(seq));  // ids were checked distinct
+    core_->sequences.Insert(std::move(seq));  // ids were checked distinct
   }
   if (stats != nullptr) {
     *stats = SnapshotStats{static_cast<int64_t>(plan.sequences.size()),

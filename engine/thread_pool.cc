@@ -33,6 +33,18 @@ void ThreadPool::WorkerLoop() {
   }
 }
 
+void ThreadPool::Post(std::function<void()> task) {
+  if (workers_.empty()) {
+    task();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
 void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& body) {
   if (n <= 0) return;
   if (n == 1 || workers_.empty()) {

@@ -26,6 +26,9 @@ class ThreadPool {
   // Calls body(i) for every i in [0, n), in any order and on any threads, and returns when all
   // calls have returned.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& body);
+  // Runs `task` on a worker, later (on the calling thread, now, when there are no workers).
+  // Destruction runs every task posted before it.
+  void Post(std::function<void()> task);
 
   int size() const { return static_cast<int>(workers_.size()); }
 

@@ -1,6 +1,7 @@
 #include "engine/wire_values.h"
 
 #include <bit>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -11,8 +12,10 @@ namespace indexer::engine {
 static_assert(std::endian::native == std::endian::little,
               "wire tensors are little-endian; a big-endian host needs byte swaps here");
 
-absl::Status DecodeRows(absl::string_view bytes, WireDtype dtype, int64_t row_values,
-                        absl::string_view field, std::vector<uint16_t>* out, int64_t* rows) {
+namespace {
+
+absl::Status CheckRowBytes(absl::string_view bytes, WireDtype dtype, int64_t row_values,
+                           absl::string_view field, int64_t* rows) {
   if (dtype == WireDtype::kUnspecified) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": dtype is unspecified; say BF16 or FP32"));
@@ -26,20 +29,32 @@ absl::Status DecodeRows(absl::string_view bytes, WireDtype dtype, int64_t row_va
         " values of ", width, " bytes = ", row_bytes, " bytes"));
   }
   *rows = size / row_bytes;
-  const int64_t n = size / width;
-  out->resize(n);
-  uint16_t* dst = out->data();
+  return absl::OkStatus();
+}
+
+// Rounds fp32 values to bf16 bits (or copies bf16 bits) into dst.
+void ToBf16(absl::string_view bytes, WireDtype dtype, uint16_t* dst) {
   if (dtype == WireDtype::kBf16) {
-    std::memcpy(dst, bytes.data(), size);
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      float f;
-      std::memcpy(&f, bytes.data() + i * 4, 4);
-      dst[i] = kernels::FloatToBf16(f);
-    }
+    std::memcpy(dst, bytes.data(), bytes.size());
+    return;
   }
+  const int64_t n = static_cast<int64_t>(bytes.size()) / 4;
   for (int64_t i = 0; i < n; ++i) {
-    if (!kernels::Bf16IsFinite(dst[i])) {
+    float f;
+    std::memcpy(&f, bytes.data() + i * 4, 4);
+    dst[i] = kernels::FloatToBf16(f);
+  }
+}
+
+// INVALID_ARGUMENT naming the first value of `values` that is not finite.
+absl::Status CheckFinite(const uint16_t* values, int64_t n, WireDtype dtype, int64_t row_values,
+                         absl::string_view field) {
+  // Branch-free scan first (the common case: every value finite), the position only on failure.
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= kernels::Bf16IsFinite(values[i]) ? 0u : 1u;
+  if (bad == 0) return absl::OkStatus();
+  for (int64_t i = 0; i < n; ++i) {
+    if (!kernels::Bf16IsFinite(values[i])) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, "[", i / row_values, "][", i % row_values, "] is ",
           dtype == WireDtype::kFp32 ? "not finite or too large for bf16" : "not finite",
@@ -47,6 +62,34 @@ absl::Status DecodeRows(absl::string_view bytes, WireDtype dtype, int64_t row_va
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status DecodeRows(absl::string_view bytes, WireDtype dtype, int64_t row_values,
+                        absl::string_view field, std::vector<uint16_t>* out, int64_t* rows) {
+  if (absl::Status s = CheckRowBytes(bytes, dtype, row_values, field, rows); !s.ok()) return s;
+  const int64_t width = dtype == WireDtype::kBf16 ? 2 : 4;
+  out->resize(bytes.size() / width);
+  ToBf16(bytes, dtype, out->data());
+  return CheckFinite(out->data(), static_cast<int64_t>(out->size()), dtype, row_values, field);
+}
+
+absl::Status DecodeRowsView(absl::string_view bytes, WireDtype dtype, int64_t row_values,
+                            absl::string_view field, Bf16Rows* out) {
+  if (absl::Status s = CheckRowBytes(bytes, dtype, row_values, field, &out->rows); !s.ok()) {
+    return s;
+  }
+  const int64_t width = dtype == WireDtype::kBf16 ? 2 : 4;
+  const int64_t n = static_cast<int64_t>(bytes.size()) / width;
+  if (dtype == WireDtype::kBf16 && reinterpret_cast<uintptr_t>(bytes.data()) % 2 == 0) {
+    out->data = reinterpret_cast<const uint16_t*>(bytes.data());
+  } else {
+    out->owned.resize(n);
+    ToBf16(bytes, dtype, out->owned.data());
+    out->data = out->owned.data();
+  }
+  return CheckFinite(out->data, n, dtype, row_values, field);
 }
 
 }  // namespace indexer::engine

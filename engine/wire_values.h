@@ -19,4 +19,24 @@ enum class WireDtype { kUnspecified, kBf16, kFp32 };
 absl::Status DecodeRows(absl::string_view bytes, WireDtype dtype, int64_t row_values,
                         absl::string_view field, std::vector<uint16_t>* out, int64_t* rows);
 
+// Rows of bf16 bits as the engine reads them from a request: a view of the request's own bytes
+// when they arrived as bf16 (the hot path copies nothing), else of `owned` (fp32 rounded to
+// bf16, or bytes that were not 2-byte aligned). Move-only: `data` may point into `owned`.
+struct Bf16Rows {
+  const uint16_t* data = nullptr;
+  int64_t rows = 0;
+  std::vector<uint16_t> owned;
+
+  Bf16Rows() = default;
+  Bf16Rows(Bf16Rows&&) = default;
+  Bf16Rows& operator=(Bf16Rows&&) = default;
+  Bf16Rows(const Bf16Rows&) = delete;
+  Bf16Rows& operator=(const Bf16Rows&) = delete;
+};
+
+// DecodeRows with the same checks and errors, into *out: for bf16 bytes a view of `bytes`,
+// which must then outlive *out.
+absl::Status DecodeRowsView(absl::string_view bytes, WireDtype dtype, int64_t row_values,
+                            absl::string_view field, Bf16Rows* out);
+
 }  // namespace indexer::engine

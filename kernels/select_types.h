@@ -47,4 +47,33 @@ struct SpanSelect {
 // Blocks visible to a query at position p: V = floor(p / 128) + 1.
 inline constexpr int64_t VisibleBlocks(int64_t p) { return p / kBlockSize + 1; }
 
+// Raw block scores a span's selection holds while it runs, one per (token, head, visible block):
+// the cost every backend's scratch memory and every launch bound is measured in.
+inline constexpr int64_t SpanScores(const SpanSelect& span) {
+  return int64_t{span.num_tokens} * span.num_heads *
+         VisibleBlocks(span.start_pos + span.num_tokens - 1);
+}
+
+// Keys for `num_tokens` tokens of layers [layer_begin, layer_begin + layer_count) of one
+// sequence, as bf16 bits laid out [num_tokens][layer_count][head_dim]. Layer layer_begin + l
+// receives them at positions [layer_start[l], layer_start[l] + num_tokens); position t goes to
+// page block_table[t / 128], slot t % 128. Pointers are host memory.
+struct KeyWrite {
+  const int32_t* block_table = nullptr;
+  int64_t num_tokens = 0;
+  int layer_begin = 0;
+  int layer_count = 1;
+  const int64_t* layer_start = nullptr;  // [layer_count]
+  const uint16_t* keys = nullptr;
+
+  // One past the last position any layer of the write reaches.
+  int64_t EndPosition() const {
+    int64_t end = 0;
+    for (int l = 0; l < layer_count; ++l) {
+      end = layer_start[l] + num_tokens > end ? layer_start[l] + num_tokens : end;
+    }
+    return end;
+  }
+};
+
 }  // namespace indexer::kernels

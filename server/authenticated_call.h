@@ -58,32 +58,51 @@ inline grpc::Status ShuttingDownStatus() {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
 }
 
-// Authenticates the call, admits it to `tracker`, then runs `handler(const Caller&) ->
-// grpc::Status` on `executor` and finishes the call with its status. An unauthenticated call,
-// or one arriving once `tracker` stops admitting (UNAVAILABLE), finishes at once, running
-// nothing. `tracker` may be null (calls are then not tracked: the in-process tests that drive
-// handlers without gRPC's server). With `metrics`, every call is counted under `rpc` (a string
-// literal) with its status, latency and time queued.
-template <typename Handler>
-grpc::ServerUnaryReactor* RunAuthenticated(grpc::CallbackServerContext* ctx,
-                                           const AccessControl& access, RequestExecutor& executor,
-                                           CallTracker* tracker, absl::string_view rpc,
-                                           Handler handler, ServiceMetrics* metrics = nullptr) {
-  const absl::Time arrived = absl::Now();
+// An admitted unary call: its caller, and the reactor that finishes it (tracked until OnDone).
+struct AdmittedCall {
+  Caller caller;
+  grpc::ServerUnaryReactor* reactor = nullptr;
+};
+
+// Authenticates the call and admits it to `tracker` (which may be null: in-process tests that
+// drive handlers without gRPC's server). An unauthenticated call, or one arriving once `tracker`
+// stops admitting (UNAVAILABLE), is finished here and counted under `rpc` (a string literal) in
+// `metrics` (may be null): *refused is then its reactor, to return to gRPC, and the result empty.
+inline std::optional<AdmittedCall> AdmitUnary(grpc::CallbackServerContext* ctx,
+                                              const AccessControl& access, CallTracker* tracker,
+                                              absl::string_view rpc, ServiceMetrics* metrics,
+                                              absl::Time arrived,
+                                              grpc::ServerUnaryReactor** refused) {
   const auto refuse = [&](const grpc::Status& status) {
     if (metrics != nullptr) {
       metrics->RecordRequest(rpc, status.error_code(), absl::Now() - arrived, absl::ZeroDuration());
     }
-    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-    reactor->Finish(status);
-    return reactor;
+    *refused = ctx->DefaultReactor();
+    (*refused)->Finish(status);
+    return std::nullopt;
   };
   absl::StatusOr<Caller> caller = CallerOf(access, *ctx, rpc);
   if (!caller.ok()) return refuse(ToGrpcStatus(caller.status()));
   if (tracker != nullptr && !tracker->Admit()) return refuse(ShuttingDownStatus());
   grpc::ServerUnaryReactor* reactor =
       tracker != nullptr ? new TrackedUnaryReactor(tracker) : ctx->DefaultReactor();
-  executor.Submit([reactor, rpc, arrived, metrics, caller = *std::move(caller),
+  return AdmittedCall{*std::move(caller), reactor};
+}
+
+// Authenticates and admits the call (AdmitUnary), then runs `handler(const Caller&) ->
+// grpc::Status` on `executor` and finishes the call with its status. With `metrics`, every call
+// is counted under `rpc` (a string literal) with its status, latency and time queued.
+template <typename Handler>
+grpc::ServerUnaryReactor* RunAuthenticated(grpc::CallbackServerContext* ctx,
+                                           const AccessControl& access, RequestExecutor& executor,
+                                           CallTracker* tracker, absl::string_view rpc,
+                                           Handler handler, ServiceMetrics* metrics = nullptr) {
+  const absl::Time arrived = absl::Now();
+  grpc::ServerUnaryReactor* refused = nullptr;
+  std::optional<AdmittedCall> call = AdmitUnary(ctx, access, tracker, rpc, metrics, arrived, &refused);
+  if (!call) return refused;
+  grpc::ServerUnaryReactor* reactor = call->reactor;
+  executor.Submit([reactor, rpc, arrived, metrics, caller = std::move(call->caller),
                    handler = std::move(handler)]() mutable {
     const absl::Time started = absl::Now();
     const grpc::Status status = handler(caller);

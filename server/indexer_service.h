@@ -1,22 +1,45 @@
 // IndexerService: the gRPC edge of the engine. It only translates protobuf <-> engine types and
-// absl::Status -> grpc::Status; every rule lives in the engine. Handlers run on a
-// RequestExecutor so that gRPC's callback threads never block. Every call is authenticated
+// absl::Status -> grpc::Status; every rule lives in the engine. Every call is authenticated
 // first (AccessControl): the caller's tenant goes with each engine request.
+//
+// Methods take their requests as raw bytes and parse them here (wire_messages.h), so a request
+// that does not parse is answered INVALID_ARGUMENT. The calls that append and select
+// (AppendKeys, SelectBlocks, Batch, BatchStream) run on the thread gRPC gives them until the
+// engine has staged their steps, and finish from the device's completion (StepCall): no thread
+// waits for them. The other calls, which may wait for a busy sequence or a snapshot, run on the
+// RequestExecutor so that gRPC's callback threads never block.
 #pragma once
 
 #include <mutex>
 #include <set>
+#include <string>
 
+#include "absl/strings/string_view.h"
 #include "engine/engine.h"
 #include "indexer/v1/indexer.grpc.pb.h"
 #include "server/access_control.h"
 #include "server/call_tracker.h"
 #include "server/metrics.h"
 #include "server/request_executor.h"
+#include "server/step_call.h"
 
 namespace indexer::server {
 
-class IndexerService final : public indexer::v1::Indexer::CallbackService {
+class BatchStreamReactor;
+
+// The generated service with every method taking and answering raw bytes.
+using RawIndexerService = v1::Indexer::WithRawCallbackMethod_AppendKeys<
+    v1::Indexer::WithRawCallbackMethod_SelectBlocks<v1::Indexer::WithRawCallbackMethod_Batch<
+        v1::Indexer::WithRawCallbackMethod_BatchStream<
+            v1::Indexer::WithRawCallbackMethod_ReleaseSequence<
+                v1::Indexer::WithRawCallbackMethod_TruncateSequence<
+                    v1::Indexer::WithRawCallbackMethod_ForkSequence<
+                        v1::Indexer::WithRawCallbackMethod_GetSequence<
+                            v1::Indexer::WithRawCallbackMethod_ServerInfo<
+                                v1::Indexer::WithRawCallbackMethod_GetStats<
+                                    v1::Indexer::Service>>>>>>>>>>;
+
+class IndexerService final : public RawIndexerService {
  public:
   // `engine`, `executor`, `access`, `metrics` and `tracker` must outlive the service and every
   // call it serves. `tracker`: where calls are admitted and counted for a graceful shutdown
@@ -32,59 +55,41 @@ class IndexerService final : public indexer::v1::Indexer::CallbackService {
         version_(std::move(version)),
         max_message_bytes_(max_message_bytes) {}
 
-  grpc::ServerUnaryReactor* AppendKeys(grpc::CallbackServerContext* ctx,
-                                       const v1::AppendKeysRequest* req,
-                                       v1::AppendKeysResponse* resp) override;
-  grpc::ServerUnaryReactor* SelectBlocks(grpc::CallbackServerContext* ctx,
-                                         const v1::SelectBlocksRequest* req,
-                                         v1::SelectBlocksResponse* resp) override;
-  grpc::ServerUnaryReactor* Batch(grpc::CallbackServerContext* ctx, const v1::BatchRequest* req,
-                                  v1::BatchResponse* resp) override;
-  grpc::ServerBidiReactor<v1::BatchRequest, v1::BatchResponse>* BatchStream(
-      grpc::CallbackServerContext* ctx) override;
-  grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* ctx,
-                                            const v1::ReleaseSequenceRequest* req,
-                                            v1::ReleaseSequenceResponse* resp) override;
-  grpc::ServerUnaryReactor* TruncateSequence(grpc::CallbackServerContext* ctx,
-                                             const v1::TruncateSequenceRequest* req,
-                                             v1::TruncateSequenceResponse* resp) override;
-  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx,
-                                         const v1::ForkSequenceRequest* req,
-                                         v1::ForkSequenceResponse* resp) override;
-  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx,
-                                        const v1::GetSequenceRequest* req,
-                                        v1::GetSequenceResponse* resp) override;
-  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
-                                     const v1::GetStatsRequest* req,
-                                     v1::GetStatsResponse* resp) override;
-  grpc::ServerUnaryReactor* ServerInfo(grpc::CallbackServerContext* ctx,
-                                       const v1::ServerInfoRequest* req,
-                                       v1::ServerInfoResponse* resp) override;
+  using Unary = grpc::ServerUnaryReactor;
+  using Ctx = grpc::CallbackServerContext;
+  using Bytes = grpc::ByteBuffer;
+  Unary* AppendKeys(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* SelectBlocks(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* Batch(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  grpc::ServerBidiReactor<Bytes, Bytes>* BatchStream(Ctx* ctx) override;
+  Unary* ReleaseSequence(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* TruncateSequence(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* ForkSequence(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* GetSequence(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* GetStats(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* ServerInfo(Ctx* ctx, const Bytes* req, Bytes* resp) override;
 
-  // Answers one batch for `caller`; shared by Batch and BatchStream.
-  void RunBatch(grpc::CallbackServerContext* ctx, const Caller& caller, const v1::BatchRequest& req,
-                v1::BatchResponse* resp);
-
-  // Ends every BatchStream with UNAVAILABLE: idle ones now, busy ones once their current answer
-  // is written; streams opened later end at once. Called by IndexerServer::Shutdown, so that
-  // idle streams do not hold shutdown up for the whole drain time.
+  // Ends every BatchStream with UNAVAILABLE: idle ones now, busy ones once their answers in
+  // progress are written; streams opened later end at once. Called by IndexerServer::Shutdown,
+  // so that idle streams do not hold shutdown up for the whole drain time.
   void BeginShutdown();
 
  private:
-  class BatchStreamReactor;
+  friend class BatchStreamReactor;
   void Register(BatchStreamReactor* stream);
   void Unregister(BatchStreamReactor* stream);
 
-  // Authenticates the call, runs `handler(caller)` on the executor and finishes the call with
-  // the status it returns.
-  template <typename Handler>
-  grpc::ServerUnaryReactor* Defer(grpc::CallbackServerContext* ctx, absl::string_view rpc,
-                                  Handler handler);
+  // An append-and-select call: admitted, parsed and run through a StepCall on this thread.
+  Unary* Step(StepRpc rpc, Ctx* ctx, const Bytes* req, Bytes* resp);
+  // Any other call: admitted, then parsed as Req and answered by
+  // `handler(const Caller&, const Req&, Resp*) -> grpc::Status` on the executor.
+  template <typename Req, typename Resp, typename Handler>
+  Unary* Defer(Ctx* ctx, absl::string_view rpc, const Bytes* req, Bytes* resp, Handler handler);
 
   engine::Engine* engine_;
   RequestExecutor* executor_;
-  ServiceMetrics* metrics_;
   const AccessControl* access_;
+  ServiceMetrics* metrics_;
   CallTracker* tracker_;
   std::string version_;
   int64_t max_message_bytes_;

@@ -13,6 +13,7 @@
 #include <prometheus/registry.h>
 
 #include <memory>
+#include <vector>
 #include <mutex>
 #include <string>
 
@@ -52,6 +53,11 @@ class ServiceMetrics final : public engine::EngineObserver {
   void OnBatchLaunched(int64_t groups) override;
   void OnBatchQueued(absl::Duration waited) override;
   void OnBatchDropped(absl::StatusCode why) override;
+  // Where calls' time goes, by phase: the engine's (engine::CallPhases: validate, lock, apply,
+  // queue, stage, device, scatter, complete) and the server's own (parse: the request's bytes
+  // into messages; respond: the answer built and serialized). indexer_step_phase_seconds{phase}.
+  void OnCallPhases(const engine::CallPhases& phases) override;
+  void RecordServerPhases(absl::Duration parse, absl::Duration respond);
 
   // Every metric family, for GetStats.
   void Fill(v1::GetStatsResponse* out) const;
@@ -82,6 +88,9 @@ class ServiceMetrics final : public engine::EngineObserver {
   prometheus::Counter& dropped_deadline_;
   prometheus::Counter& dropped_cancelled_;
   prometheus::Counter& dropped_shutdown_;
+  prometheus::Family<prometheus::Histogram>& phases_;
+  // indexer_step_phase_seconds' children, one per phase, in kPhaseNames order.
+  std::vector<prometheus::Histogram*> phase_;
   // Children are created on first use; the families own them, these maps find them fast.
   mutable std::mutex mu_;
   absl::flat_hash_map<std::string, prometheus::Counter*> request_counters_;

@@ -14,7 +14,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "engine/cuda/cuda_errors.h"
+#include "engine/cuda/cuda_lane.h"
 #include "engine/cuda/cuda_resources.h"
 #include "engine/cuda/select_graph.h"
 #include "engine/device_failure.h"
@@ -22,6 +24,7 @@
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/select_batch.h"
 #include "kernels/cuda/span_desc.h"
+#include "kernels/cuda/step_staging.h"
 
 namespace indexer::engine {
 namespace {
@@ -37,84 +40,6 @@ constexpr int64_t kPageStagingBytes = int64_t{16} << 20;
 constexpr int kMaxLanes = 8;
 // A lane whose graphs failed this many times (built or updated) runs its steps without graphs.
 constexpr int kMaxGraphFailures = 3;
-
-int64_t Align(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
-
-// One concurrent call's resources. Used only by the call holding the lane (LaneLease).
-struct Lane {
-  explicit Lane(int graphs_capacity) : graphs(static_cast<size_t>(graphs_capacity)) {}
-
-  // Buffer::Reserve, counting reallocations: graphs hold the buffers' addresses.
-  template <typename Buffer>
-  absl::Status Reserve(Buffer& buffer, size_t bytes) {
-    const void* before = buffer.get();
-    const size_t before_bytes = buffer.bytes();
-    const absl::Status status = buffer.Reserve(bytes);
-    if (buffer.get() != before || buffer.bytes() != before_bytes) ++generation;
-    return status;
-  }
-
-  // Waits for the stream; on failure also clears state a broken launch may have left behind
-  // (not after a sticky error: the device is lost, and the backend will not touch it again).
-  absl::Status Finish(const char* what) {
-    const cudaError_t err = cudaStreamSynchronize(stream.get());
-    const absl::Status status = CudaStatus(err, what);
-    if (!status.ok() && !IsStickyCudaError(err) && d_counters.get() != nullptr) {
-      // A failed decode launch can leave span counters set; later launches need them at zero.
-      (void)cudaGetLastError();
-      if (cudaMemsetAsync(d_counters.get(), 0, d_counters.bytes(), stream.get()) == cudaSuccess) {
-        (void)cudaStreamSynchronize(stream.get());
-      }
-      (void)cudaGetLastError();
-    }
-    return status;
-  }
-
-  CudaStream stream;
-  PinnedBuffer h_in, h_out;
-  DeviceBuffer d_in, d_out, d_scores, d_counters;
-  SelectGraphCache graphs;
-  uint64_t generation = 0;         // bumped whenever a buffer above is reallocated
-  uint64_t graphs_generation = 0;  // the generation the cached graphs were built on
-  int graph_failures = 0;
-};
-
-// A fixed set of lanes, each held by one call at a time.
-struct LanePool {
-  std::vector<std::unique_ptr<Lane>> lanes;  // fixed after Init
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<Lane*> free;  // guarded by mu
-  int busy = 0;             // guarded by mu
-  std::atomic<int> peak_busy{0};
-
-  // Waits while every lane is busy; the most recently released lane first (a lone caller keeps
-  // one lane, whose graphs stay warm).
-  Lane* Acquire() {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return !free.empty(); });
-    Lane* lane = free.back();
-    free.pop_back();
-    ++busy;
-    if (busy > peak_busy.load(std::memory_order_relaxed)) peak_busy.store(busy, std::memory_order_relaxed);
-    return lane;
-  }
-  void Release(Lane* lane) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      free.push_back(lane);
-      --busy;
-    }
-    cv.notify_one();
-  }
-  absl::Status Add(int graphs_capacity, int stream_priority) {
-    auto lane = std::make_unique<Lane>(graphs_capacity);
-    INDEXER_RETURN_IF_ERROR(lane->stream.Create(stream_priority));
-    free.push_back(lane.get());
-    lanes.push_back(std::move(lane));
-    return absl::OkStatus();
-  }
-};
 
 class CudaBackend final : public KeyCacheBackend {
  public:
@@ -134,8 +59,7 @@ class CudaBackend final : public KeyCacheBackend {
     if (!entered_device_) return;
     // Free the streams, staging, graphs and pool on this backend's device.
     (void)cudaSetDevice(slot_.ordinal);
-    lanes_.lanes.clear();
-    write_lanes_.lanes.clear();
+    lanes_.Clear();
     pool_.Reset();
     (void)cudaGetLastError();
   }
@@ -144,13 +68,22 @@ class CudaBackend final : public KeyCacheBackend {
   std::string name() const override { return "cuda"; }
   std::string device() const override { return device_name_; }
   absl::Status Health() const override { return failure_.Check(); }
-  // Each call runs through Guarded: it fails fast once the device has failed, and a sticky CUDA
-  // error in it marks the device failed.
+  bool RunsAsync() const override { return true; }
+  int MaxConcurrentSteps() const override { return options_.lanes; }
+  // A step: staged and launched on the calling thread, finished on its lane's completion thread.
+  void Run(const BackendStep& step, const kernels::PageTableParams& page_table,
+           StepDone done) override;
+  // The synchronous calls below run through Guarded: they fail fast once the device has failed,
+  // and a sticky CUDA error in them marks the device failed. Key writes and selections are steps.
   absl::Status WriteKeys(const KeyWrite& write) override {
-    return Guarded([&] { return WriteKeysOnDevice(write); });
+    return RunAndWait(*this, BackendStep{std::span<const KeyWrite>(&write, 1), {}}, {}).writes;
   }
   absl::Status WriteKeysBatch(std::span<const KeyWrite> writes) override {
-    return Guarded([&] { return WriteKeysBatchOnDevice(writes); });
+    return RunAndWait(*this, BackendStep{writes, {}}, {}).writes;
+  }
+  absl::Status Select(std::span<const SelectTask> tasks,
+                      const kernels::PageTableParams& page_table) override {
+    return RunAndWait(*this, BackendStep{{}, tasks}, page_table).selects;
   }
   absl::Status CopyPage(int32_t src, int32_t dst) override {
     return Guarded([&] { return CopyPageOnDevice(src, dst); });
@@ -161,28 +94,10 @@ class CudaBackend final : public KeyCacheBackend {
   absl::Status WritePages(std::span<const int32_t> pages, const uint8_t* src) override {
     return Guarded([&] { return WritePagesOnDevice(pages, src); });
   }
-  absl::Status Select(std::span<const SelectTask> tasks,
-                      const kernels::PageTableParams& page_table) override {
-    return Guarded([&] { return SelectOnDevice(tasks, page_table); });
-  }
 
   CudaBackendCounters counters() const;
 
  private:
-  // Holds one lane of `pool` for a scope, waiting while every lane is busy.
-  class LaneLease {
-   public:
-    explicit LaneLease(LanePool& pool) : pool_(pool), lane_(pool.Acquire()) {}
-    ~LaneLease() { pool_.Release(lane_); }
-    LaneLease(const LaneLease&) = delete;
-    LaneLease& operator=(const LaneLease&) = delete;
-    Lane& lane() const { return *lane_; }
-
-   private:
-    LanePool& pool_;
-    Lane* lane_;
-  };
-
   static CudaBackendOptions Normalized(CudaBackendOptions o) {
     o.lanes = std::clamp(o.lanes, 1, kMaxLanes);
     o.graphs_per_lane = std::max(o.graphs_per_lane, 1);
@@ -194,7 +109,10 @@ class CudaBackend final : public KeyCacheBackend {
   template <typename Body>
   absl::Status Guarded(Body body) {
     INDEXER_RETURN_IF_ERROR(failure_.Check());
-    absl::Status status = body();
+    return Latched(body());
+  }
+  // `status`, or the device's failure when it is a sticky CUDA error (latched by the first).
+  absl::Status Latched(absl::Status status) {
     if (!status.ok() && IsStickyCudaError(CudaErrorOf(status))) {
       status = failure_.Fail(absl::StrFormat("CUDA device %d (%s)", slot_.ordinal, gpu_name_), status);
     }
@@ -207,12 +125,15 @@ class CudaBackend final : public KeyCacheBackend {
     INDEXER_RETURN_IF_ERROR(failure_.Check());
     return CudaStatus(cudaSetDevice(slot_.ordinal), "cudaSetDevice");
   }
-  absl::Status WriteKeysOnDevice(const KeyWrite& write);
-  absl::Status WriteKeysBatchOnDevice(std::span<const KeyWrite> writes);
   absl::Status CopyPageOnDevice(int32_t src, int32_t dst);
   absl::Status WritePagesOnDevice(std::span<const int32_t> pages, const uint8_t* src);
-  absl::Status SelectOnDevice(std::span<const SelectTask> tasks,
-                              const kernels::PageTableParams& page_table);
+  // Run's parts: stage the step into the lane's buffers and enqueue it (on failure nothing is
+  // left running on the lane's stream that reads the staging, except as the status says), then,
+  // on the completion thread, scatter the outputs and end the step.
+  absl::Status Stage(Lane& lane, const BackendStep& step, const kernels::PageTableParams& page_table);
+  absl::Status Enqueue(Lane& lane, bool* enqueued);
+  void Finish(Lane& lane, absl::Status synced, absl::Time staged, absl::Time launched,
+              StepDone done);
   // Writes the `n` global page ids at `ids` to `dst` as this pool's page indices; INTERNAL
   // (naming the id) at the first one outside the slot.
   absl::Status ToLocal(const int32_t* ids, int64_t n, int32_t* dst, const char* what) const;
@@ -240,12 +161,8 @@ class CudaBackend final : public KeyCacheBackend {
   DeviceBuffer pool_;  // allocated in Init, then only read and written through lanes' streams
   std::unique_ptr<std::atomic<float>[]> key_max_abs_;  // [layers]
 
-  // Selections, page copies and transfers take a lane of lanes_. Key writes take one of
-  // write_lanes_, whose streams have the device's highest priority: a step's selections wait for
-  // its key writes, which must not wait for a lane that another call's selection holds, nor
-  // behind that selection's thread blocks on the GPU (docs/PERF.md, the two-GPU service runs).
+  // Steps (key writes and selections together), page copies and transfers each take a lane.
   LanePool lanes_;
-  LanePool write_lanes_;
 
   std::atomic<int64_t> selects_{0}, graph_launches_{0}, graph_builds_{0}, graph_node_updates_{0},
       graph_fallbacks_{0}, buffer_growths_{0};
@@ -301,15 +218,14 @@ absl::Status CudaBackend::Init() {
   INDEXER_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority),
                                      "cudaDeviceGetStreamPriorityRange"));
   for (int i = 0; i < options_.lanes; ++i) {
-    INDEXER_RETURN_IF_ERROR(lanes_.Add(options_.graphs_per_lane, least_priority));
-    INDEXER_RETURN_IF_ERROR(write_lanes_.Add(1, greatest_priority));
+    INDEXER_RETURN_IF_ERROR(lanes_.Add(slot_.ordinal, options_.graphs_per_lane, least_priority));
   }
   device_name_ = absl::StrFormat(
-      "%s (device %d, sm_%d%d, %d SMs, %.0f GiB, pool %.2f GiB of pages [%d, %d), %d lanes + %d "
-      "key-write lanes, graphs %s)",
+      "%s (device %d, sm_%d%d, %d SMs, %.0f GiB, pool %.2f GiB of pages [%d, %d), %d lanes, "
+      "graphs %s)",
       prop.name, slot_.ordinal, prop.major, prop.minor, prop.multiProcessorCount,
       total_bytes / 1073741824.0, pool_bytes / 1073741824.0, slot_.first_page,
-      slot_.first_page + pages_, options_.lanes, options_.lanes, options_.use_graphs ? "on" : "off");
+      slot_.first_page + pages_, options_.lanes, options_.use_graphs ? "on" : "off");
   return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
@@ -344,7 +260,7 @@ void CudaBackend::RaiseKeyMax(int layer, float m) {
 CudaBackendCounters CudaBackend::counters() const {
   CudaBackendCounters c;
   c.lanes = options_.lanes;
-  c.peak_busy_lanes = lanes_.peak_busy.load();
+  c.peak_busy_lanes = lanes_.peak_busy();
   c.selects = selects_.load();
   c.graph_launches = graph_launches_.load();
   c.graph_builds = graph_builds_.load();
@@ -352,129 +268,6 @@ CudaBackendCounters CudaBackend::counters() const {
   c.graph_fallbacks = graph_fallbacks_.load();
   c.buffer_growths = buffer_growths_.load();
   return c;
-}
-
-absl::Status CudaBackend::WriteKeysOnDevice(const KeyWrite& w) {
-  LaneLease lease(write_lanes_);
-  INDEXER_RETURN_IF_ERROR(EnterDevice());
-  Lane& lane = lease.lane();
-  int64_t end = 0;
-  for (int l = 0; l < w.layer_count; ++l) end = std::max(end, w.layer_start[l] + w.num_tokens);
-  const int64_t blocks = (end + kBlockSize - 1) / kBlockSize;
-  const int64_t key_bytes = w.num_tokens * w.layer_count * config_.head_dim * 2;
-  const int64_t bt_off = Align(key_bytes, 256);
-  const int64_t start_off = Align(bt_off + blocks * 4, 256);
-  const int64_t total = start_off + w.layer_count * 8;
-  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.h_in, total));
-  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_in, total));
-  char* h = lane.h_in.get<char>();
-  INDEXER_RETURN_IF_ERROR(
-      ToLocal(w.block_table, blocks, reinterpret_cast<int32_t*>(h + bt_off), "key write"));
-  std::memcpy(h, w.keys, key_bytes);
-  const float written_max =
-      kernels::cuda::ScanBf16(w.keys, w.num_tokens * w.layer_count * config_.head_dim).max_abs;
-  std::memcpy(h + start_off, w.layer_start, w.layer_count * 8);
-  char* d = lane.d_in.get<char>();
-  cudaStream_t st = lane.stream.get();
-  absl::Status status =
-      CudaStatus(cudaMemcpyAsync(d, h, total, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync(keys)");
-  if (status.ok()) {
-    kernels::cuda::AppendArgs args;
-    args.pool = pool_.get();
-    args.layer_bytes = layer_bytes_;
-    args.block_table = reinterpret_cast<const int32_t*>(d + bt_off);
-    args.layer_start = reinterpret_cast<const int64_t*>(d + start_off);
-    args.layer_begin = w.layer_begin;
-    args.layer_count = w.layer_count;
-    args.num_tokens = w.num_tokens;
-    args.keys = reinterpret_cast<const uint16_t*>(d);
-    status = CudaStatus(kernels::cuda::LaunchAppendKeys(args, config_.key_storage, config_.head_dim, st),
-                        "append kernel launch");
-  }
-  // Wait even after a failed enqueue: a copy already queued still reads the staging buffer.
-  // Waiting also makes the keys visible to every later call, whatever lane (stream) it takes.
-  const absl::Status finished = lane.Finish("append");
-  INDEXER_RETURN_IF_ERROR(status);
-  INDEXER_RETURN_IF_ERROR(finished);
-  for (int l = 0; l < w.layer_count; ++l) RaiseKeyMax(w.layer_begin + l, written_max);
-  return absl::OkStatus();
-}
-
-// The writes of one wave in one round trip: one staging copy, one launch, one wait.
-absl::Status CudaBackend::WriteKeysBatchOnDevice(std::span<const KeyWrite> writes) {
-  if (writes.empty()) return absl::OkStatus();
-  if (writes.size() == 1) return WriteKeysOnDevice(writes[0]);
-  LaneLease lease(write_lanes_);
-  INDEXER_RETURN_IF_ERROR(EnterDevice());
-  Lane& lane = lease.lane();
-  const size_t n = writes.size();
-  // [AppendArgs x n][per write: keys | local block table | layer starts]
-  struct Place {
-    int64_t keys, bt, starts, blocks, key_bytes;
-  };
-  std::vector<Place> place(n);
-  int64_t off = Align(static_cast<int64_t>(n * sizeof(kernels::cuda::AppendArgs)), 256);
-  int64_t max_rows = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const KeyWrite& w = writes[i];
-    int64_t end = 0;
-    for (int l = 0; l < w.layer_count; ++l) end = std::max(end, w.layer_start[l] + w.num_tokens);
-    Place& p = place[i];
-    p.blocks = (end + kBlockSize - 1) / kBlockSize;
-    p.key_bytes = w.num_tokens * w.layer_count * config_.head_dim * 2;
-    p.keys = off;
-    off = Align(off + p.key_bytes, 16);
-    p.bt = off;
-    off = Align(off + p.blocks * 4, 16);
-    p.starts = off;
-    off = Align(off + w.layer_count * 8, 16);
-    max_rows = std::max(max_rows, w.num_tokens * w.layer_count);
-  }
-  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.h_in, off));
-  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_in, off));
-  char* h = lane.h_in.get<char>();
-  char* d = lane.d_in.get<char>();
-  std::vector<float> written_max(n);
-  for (size_t i = 0; i < n; ++i) {
-    const KeyWrite& w = writes[i];
-    const Place& p = place[i];
-    INDEXER_RETURN_IF_ERROR(
-        ToLocal(w.block_table, p.blocks, reinterpret_cast<int32_t*>(h + p.bt), "key write"));
-    std::memcpy(h + p.keys, w.keys, p.key_bytes);
-    std::memcpy(h + p.starts, w.layer_start, w.layer_count * 8);
-    written_max[i] =
-        kernels::cuda::ScanBf16(w.keys, w.num_tokens * w.layer_count * config_.head_dim).max_abs;
-    kernels::cuda::AppendArgs args;
-    args.pool = pool_.get();
-    args.layer_bytes = layer_bytes_;
-    args.block_table = reinterpret_cast<const int32_t*>(d + p.bt);
-    args.layer_start = reinterpret_cast<const int64_t*>(d + p.starts);
-    args.layer_begin = w.layer_begin;
-    args.layer_count = w.layer_count;
-    args.num_tokens = w.num_tokens;
-    args.keys = reinterpret_cast<const uint16_t*>(d + p.keys);
-    std::memcpy(h + i * sizeof(args), &args, sizeof(args));
-  }
-  cudaStream_t st = lane.stream.get();
-  absl::Status status =
-      CudaStatus(cudaMemcpyAsync(d, h, off, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync(keys)");
-  if (status.ok()) {
-    status = CudaStatus(kernels::cuda::LaunchAppendKeysBatch(
-                            reinterpret_cast<const kernels::cuda::AppendArgs*>(d), static_cast<int>(n),
-                            max_rows, config_.key_storage, config_.head_dim, st),
-                        "append kernel launch");
-  }
-  // Wait even after a failed enqueue (the copy reads the staging buffer); waiting also makes
-  // the keys visible to every later call, whatever lane it takes.
-  const absl::Status finished = lane.Finish("append");
-  INDEXER_RETURN_IF_ERROR(status);
-  INDEXER_RETURN_IF_ERROR(finished);
-  for (size_t i = 0; i < n; ++i) {
-    for (int l = 0; l < writes[i].layer_count; ++l) {
-      RaiseKeyMax(writes[i].layer_begin + l, written_max[i]);
-    }
-  }
-  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::CopyPageOnDevice(int32_t src, int32_t dst) {
@@ -492,7 +285,7 @@ absl::Status CudaBackend::CopyPageOnDevice(int32_t src, int32_t dst) {
                                         cudaMemcpyDeviceToDevice, lane.stream.get()),
                         "cudaMemcpyAsync(page copy)");
   }
-  const absl::Status finished = lane.Finish("page copy");
+  const absl::Status finished = lane.Sync("page copy");
   INDEXER_RETURN_IF_ERROR(status);
   return finished;
 }
@@ -531,7 +324,7 @@ absl::Status CudaBackend::TransferPages(std::span<const int32_t> pages, HostByte
       }
     }
     // Wait even after a failed enqueue: copies already queued still use the staging buffer.
-    const absl::Status finished = lane.Finish(what);
+    const absl::Status finished = lane.Sync(what);
     INDEXER_RETURN_IF_ERROR(status);
     INDEXER_RETURN_IF_ERROR(finished);
     if constexpr (kToHost) std::memcpy(host_chunk, h, n * bytes_per_page);
@@ -560,154 +353,143 @@ absl::Status CudaBackend::WritePagesOnDevice(std::span<const int32_t> pages, con
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::SelectOnDevice(std::span<const SelectTask> tasks,
-                                         const kernels::PageTableParams& pt) {
-  if (tasks.empty()) return absl::OkStatus();
-  LaneLease lease(lanes_);
-  INDEXER_RETURN_IF_ERROR(EnterDevice());
-  Lane& lane = lease.lane();
-  const int d = config_.head_dim;
-  const size_t m = tasks.size();
+void CudaBackend::Run(const BackendStep& step, const kernels::PageTableParams& page_table,
+                      StepDone done) {
+  if (absl::Status failed = failure_.Check(); !failed.ok()) {
+    std::move(done)(StepStatus{failed, failed, {}});
+    return;
+  }
+  const absl::Time start = absl::Now();
+  // The SelectBatcher runs at most MaxConcurrentSteps() steps at once, so a lane is free here
+  // unless a synchronous transfer holds one for a moment.
+  Lane* lane = lanes_.Acquire();
+  absl::Status status = EnterDevice();
+  bool enqueued = false;
+  if (status.ok()) status = Stage(*lane, step, page_table);
+  if (status.ok()) status = Enqueue(*lane, &enqueued);
+  const absl::Time launched = absl::Now();
+  if (!status.ok()) {
+    // Wait even after a failed enqueue: copies already queued still read the staging buffers.
+    if (enqueued) (void)lane->Sync("step");
+    lanes_.Release(lane);
+    status = Latched(status);
+    std::move(done)(StepStatus{status, status, {}});
+    return;
+  }
+  lane->Complete([this, lane, start, launched, done = std::move(done)](absl::Status synced) mutable {
+    Finish(*lane, std::move(synced), start, launched, std::move(done));
+  });
+}
 
-  // One upload: [descriptors and decode index][block tables][attention pages][queries]; one
-  // download: results.
-  struct Offsets {
-    int64_t bt, attn, q, ids, table, ctx;
-    int64_t v;
-  };
-  std::vector<Offsets> off(m);
-  int64_t in = Align(static_cast<int64_t>(kernels::cuda::SelectBatchDeviceBytes(m)), 256);
-  int64_t out = 0;
-  for (size_t i = 0; i < m; ++i) {
-    const kernels::SpanSelect& s = tasks[i].span;
-    const int64_t rows = int64_t{s.num_tokens} * s.num_heads;
-    Offsets& o = off[i];
-    o.v = kernels::VisibleBlocks(s.start_pos + s.num_tokens - 1);
-    o.bt = in;
-    in = Align(in + o.v * 4, 16);
-    o.attn = in;
-    if (s.attn_pages != nullptr) in = Align(in + o.v * 4, 16);
-    o.q = in;
-    in = Align(in + rows * d * 2, 16);
-    o.ids = out;
-    out += rows * s.params.topk * 4;
-    o.table = out;
-    o.ctx = out;
-    if (s.attn_pages != nullptr) {
-      out += rows * s.params.topk * pt.pages_per_block * 4;
-      o.ctx = out;
-      out += rows * 4;
-    }
+absl::Status CudaBackend::Stage(Lane& lane, const BackendStep& step,
+                                const kernels::PageTableParams& page_table) {
+  const int d = config_.head_dim;
+  // Selections take their path from the largest key written, this step's writes included:
+  // raising the maximum before the keys land can only choose the exact path more often.
+  for (const KeyWrite& w : step.writes) {
+    const float m = kernels::cuda::ScanBf16(w.keys, w.num_tokens * w.layer_count * d).max_abs;
+    for (int l = 0; l < w.layer_count; ++l) RaiseKeyMax(w.layer_begin + l, m);
   }
-  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.h_in, in));
-  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_in, in));
-  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.h_out, std::max<int64_t>(out, 4)));
-  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_out, std::max<int64_t>(out, 4)));
-  char* h = lane.h_in.get<char>();
-  char* din = lane.d_in.get<char>();
-  char* dout = lane.d_out.get<char>();
-  std::vector<SpanDesc> descs(m);
-  std::vector<kernels::cuda::SpanPath> paths(m);
-  for (size_t i = 0; i < m; ++i) {
-    const kernels::SpanSelect& s = tasks[i].span;
-    const Offsets& o = off[i];
-    const int64_t rows = int64_t{s.num_tokens} * s.num_heads;
-    // Global page ids become this pool's indices here, in the one copy into pinned staging.
-    INDEXER_RETURN_IF_ERROR(
-        ToLocal(s.block_table, o.v, reinterpret_cast<int32_t*>(h + o.bt), "select block table"));
-    if (s.attn_pages != nullptr) std::memcpy(h + o.attn, s.attn_pages, o.v * 4);
-    std::memcpy(h + o.q, s.queries, rows * d * 2);
-    SpanDesc& desc = descs[i];
-    desc.keys = pool_.get<char>() + tasks[i].layer * layer_bytes_;
-    desc.block_table = reinterpret_cast<const int32_t*>(din + o.bt);
-    desc.attn_pages = s.attn_pages != nullptr ? reinterpret_cast<const int32_t*>(din + o.attn) : nullptr;
-    desc.queries = reinterpret_cast<const uint16_t*>(din + o.q);
-    desc.block_ids = reinterpret_cast<int32_t*>(dout + o.ids);
-    desc.page_table = s.attn_pages != nullptr ? reinterpret_cast<int32_t*>(dout + o.table) : nullptr;
-    desc.context_lens = s.attn_pages != nullptr ? reinterpret_cast<int32_t*>(dout + o.ctx) : nullptr;
-    desc.start_pos = s.start_pos;
-    desc.num_tokens = s.num_tokens;
-    desc.num_heads = s.num_heads;
-    desc.topk = s.params.topk;
-    desc.init_blocks = s.params.init_blocks;
-    desc.local_blocks = s.params.local_blocks;
-    paths[i] = kernels::cuda::ChoosePath(static_cast<int>(rows), d, config_.key_storage,
-                                         kernels::cuda::ScanBf16(s.queries, rows * d),
-                                         KeyMax(tasks[i].layer));
+  lane.spans.resize(step.selects.size());
+  for (size_t i = 0; i < step.selects.size(); ++i) {
+    const SelectTask& task = step.selects[i];
+    kernels::cuda::StagedSpan& staged = lane.spans[i];
+    staged.host = task.span;
+    staged.keys = pool_.get<char>() + task.layer * layer_bytes_;
+    const int rows = task.span.num_tokens * task.span.num_heads;
+    staged.path = kernels::cuda::ChoosePath(rows, d, config_.key_storage,
+                                            kernels::cuda::ScanBf16(task.span.queries, int64_t{rows} * d),
+                                            KeyMax(task.layer));
   }
-  const kernels::cuda::SelectBatch batch =
-      kernels::cuda::PlanSelectBatch(descs, paths, num_sms_, d, config_.key_storage);
-  batch.WriteDevice(h);
-  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_scores, batch.ScoreFloats() * 4));
-  cudaStream_t st = lane.stream.get();
-  const size_t counter_bytes = std::max<size_t>(batch.n_decode, 1) * sizeof(int);
+  kernels::cuda::StepStaging& staging = lane.staging;
+  staging.Plan(step.writes, lane.spans, d, config_.key_storage, page_table);
+  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.h_in, staging.input_bytes()));
+  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_in, staging.input_bytes()));
+  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.h_out, std::max<int64_t>(staging.output_bytes(), 4)));
+  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_out, std::max<int64_t>(staging.output_bytes(), 4)));
+  if (const std::optional<int32_t> bad = staging.WriteInputs(
+          lane.h_in.get<char>(), lane.d_in.get<char>(), lane.d_out.get<char>(),
+          kernels::cuda::PageRange{slot_.first_page, pages_},
+          kernels::cuda::WriteTarget{pool_.get(), layer_bytes_}, num_sms_)) {
+    int64_t ignored = 0;
+    return ToLocal(*bad, &ignored, "step block table");
+  }
+  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_scores, staging.ScoreFloats() * 4));
+  const size_t counter_bytes = staging.DecodeCounters() * sizeof(int);
   if (lane.d_counters.bytes() < counter_bytes) {
     INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_counters, counter_bytes));
     const absl::Status zeroed = CudaStatus(
-        cudaMemsetAsync(lane.d_counters.get(), 0, lane.d_counters.bytes(), st), "cudaMemsetAsync");
+        cudaMemsetAsync(lane.d_counters.get(), 0, lane.d_counters.bytes(), lane.stream.get()),
+        "cudaMemsetAsync");
     if (!zeroed.ok()) {
-      // Counters that were never zeroed must not be used: the next call allocates them again.
+      // Counters that were never zeroed must not be used: the next step allocates them again.
       lane.d_counters.Reset();
       return zeroed;
     }
   }
-  kernels::cuda::LaunchList launches;
-  absl::Status status = CudaStatus(
-      kernels::cuda::DescribeSelectBatch(batch, reinterpret_cast<const SpanDesc*>(din),
-                                         config_.key_storage, d, pt, lane.d_scores.get<float>(),
-                                         lane.d_counters.get<int>(), &launches),
-      "select launch");
-  bool enqueued = false;
   if (lane.graphs_generation != lane.generation) {
-    // A buffer (this step's or an earlier call's on this lane) was allocated anew: cached graphs
+    // A buffer (this step's or an earlier one's on this lane) was allocated anew: cached graphs
     // point into the old one.
     buffer_growths_.fetch_add(1, std::memory_order_relaxed);
     lane.graphs.Clear();
     lane.graphs_generation = lane.generation;
   }
-  if (status.ok() && options_.use_graphs && lane.graph_failures < kMaxGraphFailures && out > 0) {
-    const SelectStep step{din, h, static_cast<size_t>(in), &launches,
-                          lane.h_out.get(), dout, static_cast<size_t>(out)};
-    const GraphLaunchResult r = lane.graphs.Launch(step, st);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Enqueue(Lane& lane, bool* enqueued) {
+  const kernels::cuda::StepStaging& staging = lane.staging;
+  char* din = lane.d_in.get<char>();
+  char* dout = lane.d_out.get<char>();
+  const size_t in = static_cast<size_t>(staging.input_bytes());
+  const size_t out = static_cast<size_t>(staging.output_bytes());
+  cudaStream_t st = lane.stream.get();
+  kernels::cuda::LaunchList launches;
+  INDEXER_RETURN_IF_ERROR(CudaStatus(
+      staging.Describe(din, lane.d_scores.get<float>(), lane.d_counters.get<int>(), &launches),
+      "step launch"));
+  if (options_.use_graphs && lane.graph_failures < kMaxGraphFailures && out > 0) {
+    const SelectStep graph_step{din, lane.h_in.get(), in, &launches, lane.h_out.get(), dout, out};
+    const GraphLaunchResult r = lane.graphs.Launch(graph_step, st);
     graph_builds_.fetch_add(r.built ? 1 : 0, std::memory_order_relaxed);
     graph_node_updates_.fetch_add(r.updated_nodes, std::memory_order_relaxed);
     if (r.enqueued) {
-      enqueued = true;
+      *enqueued = true;
       graph_launches_.fetch_add(1, std::memory_order_relaxed);
-      status = CudaStatus(r.error, "select graph launch");
-    } else {
-      // Nothing of this step was enqueued: run it without a graph below.
-      ++lane.graph_failures;
-      graph_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+      return CudaStatus(r.error, "step graph launch");
     }
+    // Nothing of this step was enqueued: run it without a graph below.
+    ++lane.graph_failures;
+    graph_fallbacks_.fetch_add(1, std::memory_order_relaxed);
   }
-  if (status.ok() && !enqueued) {
-    status = CudaStatus(cudaMemcpyAsync(din, h, in, cudaMemcpyHostToDevice, st),
-                        "cudaMemcpyAsync(select inputs)");
-    if (status.ok()) status = CudaStatus(launches.Enqueue(st), "select launch");
-    if (status.ok() && out > 0) {
-      status = CudaStatus(cudaMemcpyAsync(lane.h_out.get(), dout, out, cudaMemcpyDeviceToHost, st),
-                          "cudaMemcpyAsync(select results)");
-    }
-  }
-  const absl::Status finished = lane.Finish("select");
-  INDEXER_RETURN_IF_ERROR(status);
-  INDEXER_RETURN_IF_ERROR(finished);
-  selects_.fetch_add(1, std::memory_order_relaxed);
-  const char* ho = lane.h_out.get<char>();
-  for (size_t i = 0; i < m; ++i) {
-    const kernels::SpanSelect& s = tasks[i].span;
-    const Offsets& o = off[i];
-    const int64_t rows = int64_t{s.num_tokens} * s.num_heads;
-    std::memcpy(s.block_ids, ho + o.ids, rows * s.params.topk * 4);
-    if (s.attn_pages != nullptr) {
-      std::memcpy(s.page_table, ho + o.table, rows * s.params.topk * pt.pages_per_block * 4);
-      std::memcpy(s.context_lens, ho + o.ctx, rows * 4);
-    }
+  *enqueued = true;
+  INDEXER_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(din, lane.h_in.get(), in, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync(step inputs)"));
+  INDEXER_RETURN_IF_ERROR(CudaStatus(launches.Enqueue(st), "step launch"));
+  if (out > 0) {
+    INDEXER_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(lane.h_out.get(), dout, out, cudaMemcpyDeviceToHost, st),
+        "cudaMemcpyAsync(step results)"));
   }
   return absl::OkStatus();
 }
 
+void CudaBackend::Finish(Lane& lane, absl::Status synced, absl::Time staged, absl::Time launched,
+                         StepDone done) {
+  const absl::Time seen = absl::Now();
+  if (synced.ok()) {
+    lane.staging.Scatter(lane.h_out.get<char>());
+    if (lane.staging.has_spans()) selects_.fetch_add(1, std::memory_order_relaxed);
+  }
+  lanes_.Release(&lane);  // before `done`: the batcher may start the next step on this lane
+  StepStatus status;
+  status.writes = Latched(std::move(synced));
+  status.selects = status.writes;
+  status.timing.stage = launched - staged;
+  status.timing.device = seen - launched;
+  status.timing.scatter = absl::Now() - seen;
+  std::move(done)(std::move(status));
+}
 }  // namespace
 
 absl::Status CudaDeviceAvailable() {

@@ -3,23 +3,25 @@
 // [slot.first_page, slot.first_page + slot.num_pages). What `--device cuda` (or auto, on a
 // machine with a GPU) runs on; a server with several GPUs builds one backend per device.
 //
-// Thread-safe and concurrent: every call takes one of the backend's lanes (each with its own
-// stream, pinned staging, device buffers, score scratch, counters and graph cache), waiting
-// while all are busy, so that concurrent selections overlap one's copies with another's
-// kernels. Key writes have lanes of their own (as many, each with its own staging), on streams
-// of the device's highest priority, so that they never wait for a selection's lane nor queue
-// behind its kernels. Every call makes the backend's device current on the calling thread once
-// it holds its lane (it does not restore the previous device: callers mixing devices set theirs
-// before each CUDA call), and returns only once its work on the device is complete, so what one
-// call wrote is visible to any later call, whatever lane it takes.
+// Thread-safe and concurrent. A step (Run: a wave's key writes and selections, merged by the
+// SelectBatcher) takes one of the backend's lanes (engine/cuda/cuda_lane.h: a stream, pinned and
+// device staging, score scratch, counters and a graph cache each), is staged and launched on the
+// calling thread -- one upload, the append kernel then the selectors, one download -- and
+// finishes on the lane's completion thread, which scatters the results and calls back: no
+// caller's thread waits for the GPU. The synchronous calls (WriteKeys, Select, CopyPage,
+// ReadPages, WritePages) take a lane too and return once their work on the device is complete,
+// so what one call wrote is visible to any later call, whatever lane it takes. Every call makes
+// the backend's device current on the calling thread once it holds its lane (it does not restore
+// the previous device: callers mixing devices set theirs before each CUDA call).
 //
 // Page ids are global everywhere: KeyWrite and SelectTask block tables, CopyPage, ReadPages,
 // WritePages. The backend subtracts slot.first_page while staging; an id outside the slot is a
 // caller's bug and comes back INTERNAL before any device memory is touched. Attention pages are
 // not ids of this pool and pass through unchanged.
 //
-// A selection step (input copy, selector kernels, result copy) runs as one CUDA graph launch
-// when graphs are on (select_graph.h), else as separate enqueues; answers are identical.
+// A step that selects (input copy, append kernel, selector kernels, result copy) runs as one CUDA
+// graph launch when graphs are on (select_graph.h), else as separate enqueues; answers are
+// identical.
 // CUDA failures come back as INTERNAL statuses carrying CUDA's message; nothing aborts.
 //
 // A sticky CUDA error (IsStickyCudaError, engine/cuda/cuda_errors.h: a faulting kernel, an
@@ -48,7 +50,7 @@ int CudaDeviceCount();
 
 // How a CudaBackend runs; EngineConfig does not carry these (they change no answer).
 struct CudaBackendOptions {
-  int lanes = 2;             // concurrent calls on the device (1 to 8), and as many key writes
+  int lanes = 2;             // steps in flight on the device at once (1 to 8)
   bool use_graphs = true;    // one graph launch per selection step
   int graphs_per_lane = 64;  // LRU bound of each lane's graph cache
 

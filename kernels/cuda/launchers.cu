@@ -130,8 +130,8 @@ cudaError_t LaunchAppendKeys(const AppendArgs& args, KeyStorage storage, int hea
   return err != cudaSuccess ? err : list.Enqueue(stream);
 }
 
-cudaError_t LaunchAppendKeysBatch(const AppendArgs* d_writes, int count, int64_t max_tokens_x_layers,
-                                  KeyStorage storage, int head_dim, cudaStream_t stream) {
+cudaError_t DescribeAppendKeysBatch(const AppendArgs* d_writes, int count, int64_t max_tokens_x_layers,
+                                    KeyStorage storage, int head_dim, LaunchList* out) {
   if (count <= 0 || max_tokens_x_layers <= 0) return cudaSuccess;
   return INDEXER_DISPATCH_HEAD_DIM(head_dim, D, [&] {
     return INDEXER_DISPATCH_STORAGE(storage, S, [&]() -> cudaError_t {
@@ -141,15 +141,21 @@ cudaError_t LaunchAppendKeysBatch(const AppendArgs* d_writes, int count, int64_t
       const unsigned x = static_cast<unsigned>(std::min<int64_t>((threads + block - 1) / block, 64));
       for (int first = 0; first < count; first += 65535) {
         const unsigned y = static_cast<unsigned>(std::min(count - first, 65535));
-        LaunchList list;
-        cudaError_t err = Describe(AppendKeysBatchKernel<D, S>, dim3(x, y), dim3(block), 0, &list,
-                                   d_writes, first);
-        if (err == cudaSuccess) err = list.Enqueue(stream);
+        const cudaError_t err =
+            Describe(AppendKeysBatchKernel<D, S>, dim3(x, y), dim3(block), 0, out, d_writes, first);
         if (err != cudaSuccess) return err;
       }
       return cudaSuccess;
     });
   });
+}
+
+cudaError_t LaunchAppendKeysBatch(const AppendArgs* d_writes, int count, int64_t max_tokens_x_layers,
+                                  KeyStorage storage, int head_dim, cudaStream_t stream) {
+  LaunchList list;
+  const cudaError_t err =
+      DescribeAppendKeysBatch(d_writes, count, max_tokens_x_layers, storage, head_dim, &list);
+  return err != cudaSuccess ? err : list.Enqueue(stream);
 }
 
 cudaError_t DescribeDecodeSelect(const SpanDesc* spans, const void* index, int num_spans, const DecodePlan& plan,

@@ -41,6 +41,10 @@ cudaError_t LaunchAppendKeys(const AppendArgs& args, KeyStorage storage, int hea
                              cudaStream_t stream);
 // `count` writes whose AppendArgs (pointing at device memory) are at `d_writes`, in one launch
 // (or a few, past 65535 writes). `max_tokens_x_layers`: the largest num_tokens * layer_count.
+// Describe* appends the launches to *out (in stream order); Launch* enqueues them.
+struct LaunchList;
+cudaError_t DescribeAppendKeysBatch(const AppendArgs* d_writes, int count, int64_t max_tokens_x_layers,
+                                    KeyStorage storage, int head_dim, LaunchList* out);
 cudaError_t LaunchAppendKeysBatch(const AppendArgs* d_writes, int count, int64_t max_tokens_x_layers,
                                   KeyStorage storage, int head_dim, cudaStream_t stream);
 

@@ -26,7 +26,6 @@ SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vecto
   for (SpanPath want : {SpanPath::kDecode, SpanPath::kPrefill, SpanPath::kExact}) {
     for (size_t i = 0; i < spans.size(); ++i) {
       if (paths[i] != want) continue;
-      b.order.push_back(i);
       b.descs.push_back(spans[i]);
     }
     const size_t n = b.descs.size() - (b.n_decode + b.n_prefill + b.n_exact);

@@ -15,7 +15,6 @@ namespace indexer::kernels::cuda {
 
 struct SelectBatch {
   std::vector<SpanDesc> descs;  // grouped: decode spans, then prefill, then exact
-  std::vector<size_t> order;    // descs[k] describes the caller's span order[k]
   size_t n_decode = 0, n_prefill = 0, n_exact = 0;
   DecodePlan decode;
   PrefillPlan prefill, exact;

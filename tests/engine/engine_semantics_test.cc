@@ -898,11 +898,19 @@ TEST_F(EngineTest, AWaveWritesItsKeysInOneBackendCall) {
 }
 
 // The answer budget (max_response_bytes) a step took is given back when the step fails after
-// taking it: a later item of the same call still fits.
+// taking it: a later item of the same call still fits. Every item reserves the bytes of an error
+// answer (LateErrorReservation); a success takes what its results need beyond that.
 TEST_F(EngineTest, AFailedStepGivesItsAnswerBytesBack) {
   EngineConfig c = TestConfig();
-  // One item's answer: 64 + 8 per layer + 4 bytes per block id (1 token x 1 head x topk 8).
-  c.max_response_bytes = 64 + 8 * c.layers + 4 * 8;
+  const int topk = 128;
+  // One item's answer: 64 + 8 per layer + 4 bytes per block id (1 token x 1 head x topk).
+  const int64_t answer = 64 + 8 * c.layers + 4 * topk;
+  const int64_t reserve = engine::LateErrorReservation("a");
+  ASSERT_GT(answer, reserve);
+  // Two reservations and one answer's excess: the second item fits only if the first, which
+  // fails, gave its excess back.
+  c.max_response_bytes = 2 * reserve + (answer - reserve);
+  c.max_topk = topk;
   Init(c);
   AppendOk("a", 0, 300);
   const std::string q = Bytes(Keys(1));
@@ -914,6 +922,7 @@ TEST_F(EngineTest, AFailedStepGivesItsAnswerBytesBack) {
     s.num_heads = 1;
     s.query_dtype = WireDtype::kBf16;
     s.queries = q;
+    s.topk = topk;
   }
   // Fails when its append is applied (the sequence has no attention pages), after the budget
   // check.
@@ -922,6 +931,25 @@ TEST_F(EngineTest, AFailedStepGivesItsAnswerBytesBack) {
   EXPECT_EQ(results[0].status().code(), absl::StatusCode::kFailedPrecondition) << results[0].status();
   ASSERT_TRUE(results[1].ok()) << results[1].status();
   ExpectSelects("a", 0, 1, std::nullopt, /*heads=*/1);
+}
+
+// A call whose answer could exceed max_response_bytes even if every item failed is refused
+// whole, and nothing of it is applied (a good append among many items that fail their checks).
+TEST_F(EngineTest, ACallWhoseErrorsAloneWouldNotFitAppliesNothing) {
+  EngineConfig c = TestConfig();
+  c.max_response_bytes = 4096;
+  Init(c);
+  const std::string k = Bytes(Keys(1));
+  std::vector<StepRequest> items(200);
+  items[0].sequence_id = "good";
+  items[0].append = AppendRequest{"", 0, false, WireDtype::kBf16, k, {}};
+  for (size_t i = 1; i < items.size(); ++i) items[i].sequence_id = "empty";  // nothing to do
+  const auto results = engine_->Batch(items);
+  for (const auto& r : results) {
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  }
+  EXPECT_EQ(engine_->Get("good").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(FreePages(), config_.capacity_pages);
 }
 
 // engine.h: "Every failed request leaves the engine exactly as it found it". A select whose
@@ -1066,10 +1094,11 @@ TEST_F(EngineTest, PastDeadlinesAndCancelledCallsApplyNothing) {
   future.deadline = absl::Now() + absl::Seconds(60);
   EXPECT_TRUE(AppendKeys(*engine_, "a", 0, Keys(10), {}, false, future).ok());
   // Cancelled after the first item on a sequence was applied: the first stays applied, the
-  // second is CANCELLED and not applied.
+  // second is CANCELLED and not applied. A wave's call is checked twice before it is applied
+  // (before the wave, and by the batcher before its launch).
   std::atomic<int> checks{0};
   CallControl later;
-  later.cancelled = [&] { return checks.fetch_add(1) >= 1; };
+  later.cancelled = [&] { return checks.fetch_add(1) >= 2; };
   items[1].sequence_id = "a";
   std::vector<absl::StatusOr<StepResult>> r = engine_->Batch(items, later);
   ASSERT_TRUE(r[0].ok()) << r[0].status();

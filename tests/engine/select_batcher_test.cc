@@ -4,6 +4,7 @@
 // cancellation while queued (nothing applied), read-your-own-writes, and answers equal to the
 // reference under concurrent load, with batching on and off.
 #include <atomic>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -29,7 +30,27 @@ namespace {
 using engine::CallControl;
 using engine::SelectBatcher;
 using engine::SelectTask;
-using engine::SelectTicket;
+
+// A submitted group's end, waited for by the test.
+class SelectTicket {
+ public:
+  explicit SelectTicket(std::future<engine::StepStatus> done) : done_(std::move(done)) {}
+  // The group's selection status.
+  absl::Status Wait() { return done_.get().selects; }
+
+ private:
+  std::future<engine::StepStatus> done_;
+};
+
+// Submits `tasks` (no writes) to `batcher` as one group.
+SelectTicket SubmitTasks(SelectBatcher& batcher, std::span<const SelectTask> tasks,
+                         const CallControl& control, bool may_run_here = false) {
+  auto ended = std::make_shared<std::promise<engine::StepStatus>>();
+  SelectTicket ticket(ended->get_future());
+  batcher.Submit({}, tasks, control, [ended](engine::StepStatus s) { ended->set_value(std::move(s)); },
+                 may_run_here);
+  return ticket;
+}
 
 bool Contains(absl::string_view haystack, absl::string_view needle) {
   return haystack.find(needle) != absl::string_view::npos;
@@ -68,7 +89,7 @@ class BatcherTest : public ::testing::Test {
   // Submits a group of `n` tasks (kept alive by the fixture) and returns its ticket.
   SelectTicket Submit(int n, int blocks = 1, const CallControl* control = nullptr) {
     groups_.push_back(std::make_unique<std::vector<SelectTask>>(Tasks(n, blocks)));
-    return batcher_->Submit(*groups_.back(), control ? *control : no_control_);
+    return SubmitTasks(*batcher_, *groups_.back(), control ? *control : no_control_);
   }
   // Holds the backend, submits one group that launches and waits inside Select, so that every
   // group submitted next queues.
@@ -106,7 +127,7 @@ TEST_F(BatcherTest, ConcurrentSubmittersShareLaunches) {
   std::vector<absl::Status> got(kThreads);
   std::vector<std::vector<SelectTask>> tasks(kThreads, Tasks(1));
   for (int i = 0; i < kThreads; ++i) {
-    threads.emplace_back([&, i] { got[i] = batcher_->Submit(tasks[i], no_control_).Wait(); });
+    threads.emplace_back([&, i] { got[i] = SubmitTasks(*batcher_, tasks[i], no_control_).Wait(); });
   }
   ASSERT_TRUE(Eventually([&] { return batcher_->queued_tasks() == kThreads; }));
   backend_.Open();
@@ -252,11 +273,11 @@ TEST_F(BatcherTest, BatchingOffSelectsOnTheCallersThread) {
 TEST_F(BatcherTest, AnIdleBatcherLaunchesOnTheCallersThread) {
   Start(BatchConfig(256, 0, 8192, /*max_inflight=*/1));
   std::vector<SelectTask> tasks = Tasks(3);
-  EXPECT_TRUE(batcher_->Submit(tasks, no_control_, /*may_run_here=*/true).Wait().ok());
+  EXPECT_TRUE(SubmitTasks(*batcher_, tasks, no_control_, /*may_run_here=*/true).Wait().ok());
   EXPECT_EQ(backend_.calls(), (std::vector<int64_t>{3}));
   EXPECT_EQ(backend_.threads().back(), std::this_thread::get_id());
   // Without permission it goes through a worker.
-  EXPECT_TRUE(batcher_->Submit(tasks, no_control_).Wait().ok());
+  EXPECT_TRUE(SubmitTasks(*batcher_, tasks, no_control_).Wait().ok());
   EXPECT_NE(backend_.threads().back(), std::this_thread::get_id());
 }
 
@@ -273,11 +294,11 @@ TEST_F(BatcherTest, LateCallsAreRefusedOnEveryPath) {
     c.batching.enabled = batching;
     batcher_.reset();
     Start(c);
-    EXPECT_EQ(batcher_->Submit(tasks, expired, /*may_run_here=*/true).Wait().code(),
+    EXPECT_EQ(SubmitTasks(*batcher_, tasks, expired, /*may_run_here=*/true).Wait().code(),
               absl::StatusCode::kDeadlineExceeded);
-    EXPECT_EQ(batcher_->Submit(tasks, cancelled, /*may_run_here=*/true).Wait().code(),
+    EXPECT_EQ(SubmitTasks(*batcher_, tasks, cancelled, /*may_run_here=*/true).Wait().code(),
               absl::StatusCode::kCancelled);
-    EXPECT_EQ(batcher_->Submit(tasks, expired).Wait().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_EQ(SubmitTasks(*batcher_, tasks, expired).Wait().code(), absl::StatusCode::kDeadlineExceeded);
   }
   EXPECT_TRUE(backend_.calls().empty());
 }
@@ -287,7 +308,7 @@ TEST_F(BatcherTest, ABusyBatcherQueuesEvenWhenTheCallerMayRun) {
   SelectTicket first = HoldFirstLaunch();
   std::vector<SelectTask> tasks = Tasks(2);
   // The one launch slot is taken: queued, not run here (Submit returns at once).
-  SelectTicket queued = batcher_->Submit(tasks, no_control_, /*may_run_here=*/true);
+  SelectTicket queued = SubmitTasks(*batcher_, tasks, no_control_, /*may_run_here=*/true);
   EXPECT_EQ(batcher_->queued_tasks(), 2);
   backend_.Open();
   EXPECT_TRUE(queued.Wait().ok());
@@ -300,7 +321,7 @@ TEST_F(BatcherTest, AMaxDelayMeansNoLaunchOnTheCallersThread) {
   Start(BatchConfig(2, /*max_delay_us=*/20000));
   std::vector<SelectTask> tasks = Tasks(1);
   const absl::Time start = absl::Now();
-  EXPECT_TRUE(batcher_->Submit(tasks, no_control_, /*may_run_here=*/true).Wait().ok());
+  EXPECT_TRUE(SubmitTasks(*batcher_, tasks, no_control_, /*may_run_here=*/true).Wait().ok());
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(19));
   EXPECT_NE(backend_.threads().back(), std::this_thread::get_id());
 }

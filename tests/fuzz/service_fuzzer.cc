@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "engine/config.h"
@@ -718,7 +719,20 @@ void RunSteps(Harness& h, const std::vector<v1::SelectBlocksRequest>& items, boo
     req.set_request_id(request_id);
     for (const auto& item : items) *req.add_items() = item;
     const grpc::Status s = CallHandler(h.service(), &server::IndexerService::Batch, req, &batch_resp);
-    if (!s.ok()) Fail(absl::StrCat("Batch failed as a call: ", s.error_message()));
+    if (!s.ok()) {
+      // A Batch fails as a call only when its bytes do not parse (a non-UTF-8 string field) or
+      // when its items' errors alone would not fit max_response_bytes; then nothing applies.
+      const bool unparsable = s.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
+                              absl::StrContains(s.error_message(), "do not parse");
+      if (!unparsable && s.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
+        Fail(absl::StrCat("Batch failed as a call: ", s.error_message()));
+      }
+      CheckStatus("Batch", s.error_code(), s.error_message(), armed);
+      const State after = h.Capture();
+      h.CheckAccounting(after);
+      CheckEffects(before, after, named, /*all_failed=*/true, "Batch");
+      return;
+    }
     if (batch_resp.request_id() != request_id) Fail("Batch did not echo request_id");
     if (batch_resp.results_size() != static_cast<int>(items.size())) {
       Fail(absl::StrCat("Batch answered ", batch_resp.results_size(), " of ", items.size(), " items"));

@@ -1,0 +1,107 @@
+// StepStaging: the host side of one device step -- key writes, then span selections -- laid out
+// in one input buffer (copied to the device in one copy) and one output buffer (copied back in
+// one copy), and the host work around them: filling the inputs, planning the selection batch,
+// describing the launches and scattering the outputs into the callers' memory. The CUDA backend,
+// the GPU tests and the kernel benchmark all stage through it, so the descriptors they run are
+// built one way.
+//
+// Input buffer: [SelectBatch image: descriptors, decode index][AppendArgs x writes]
+//               [per write: keys | block table | layer starts][per span: block table |
+//               attention pages | queries]. Output buffer: [per span: block ids | page-table
+// rows | context lengths]. Offsets are 16-byte aligned (the append kernel reads keys as 16-byte
+// vectors; regions start 256-byte aligned).
+//
+// Use: Plan, size the buffers (input_bytes, output_bytes), WriteInputs into the pinned input
+// buffer, copy it to the device, launch Describe's list, copy the outputs back, Scatter. Not
+// thread-safe; one staging per step in flight.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "kernels/cuda/launchers.h"
+#include "kernels/cuda/select_batch.h"
+#include "kernels/cuda/span_desc.h"
+#include "kernels/select_types.h"
+
+namespace indexer::kernels::cuda {
+
+// One span to select. `host` is read from host memory (block table, attention pages, queries)
+// and its outputs are where Scatter writes; `keys` is the device address of its layer's pool.
+struct StagedSpan {
+  SpanSelect host;
+  const void* keys = nullptr;
+  SpanPath path = SpanPath::kDecode;
+};
+
+// Page ids in block tables are staged as id - first; each must then lie in [0, count).
+struct PageRange {
+  int64_t first = 0;
+  int64_t count = INT64_MAX;
+};
+
+// Where the key writes store: layer l of the pool is at pool + l * layer_bytes (device).
+struct WriteTarget {
+  void* pool = nullptr;
+  int64_t layer_bytes = 0;
+};
+
+class StepStaging {
+ public:
+  // Lays out `writes` and `spans` (whose memory must stay valid until Scatter).
+  void Plan(std::span<const KeyWrite> writes, std::span<const StagedSpan> spans, int head_dim,
+            KeyStorage storage, PageTableParams page_table);
+
+  int64_t input_bytes() const { return in_bytes_; }
+  int64_t output_bytes() const { return out_bytes_; }
+  bool has_writes() const { return !writes_.empty(); }
+  bool has_spans() const { return !spans_.empty(); }
+
+  // Fills `host_in` (input_bytes) with the inputs for an input buffer at `device_in` and an
+  // output buffer at `device_out`, and plans the selection batch over `num_sms`
+  // multiprocessors. Returns the first block-table page id outside `pages` (nothing staged is
+  // then usable), or nullopt.
+  std::optional<int32_t> WriteInputs(char* host_in, char* device_in, char* device_out,
+                                     PageRange pages, WriteTarget target, int num_sms);
+
+  // After WriteInputs: the selection batch, the scratch it needs, and its launches (the append
+  // kernel first when there are writes, then the selectors) reading the inputs at `device_in`.
+  // `scores` holds ScoreFloats() floats; `counters` DecodeCounters() ints, zero.
+  const SelectBatch& batch() const { return batch_; }
+  int64_t ScoreFloats() const { return batch_.ScoreFloats(); }
+  size_t DecodeCounters() const { return std::max<size_t>(batch_.n_decode, 1); }
+  cudaError_t Describe(const char* device_in, float* scores, int* counters, LaunchList* out) const;
+
+  // Copies every span's outputs from `host_out` (the output buffer's copy) to its host pointers.
+  void Scatter(const char* host_out) const;
+
+ private:
+  struct WritePlace {
+    int64_t keys = 0, table = 0, starts = 0, blocks = 0, key_bytes = 0;
+  };
+  struct SpanPlace {
+    int64_t table = 0, attn = 0, queries = 0, ids = 0, page_table = 0, context_lens = 0;
+    int64_t visible = 0;
+  };
+
+  std::span<const KeyWrite> writes_;
+  std::span<const StagedSpan> spans_;
+  int head_dim_ = 128;
+  KeyStorage storage_ = KeyStorage::kBf16;
+  PageTableParams page_table_;
+  int64_t args_offset_ = 0;  // the AppendArgs array
+  int64_t max_tokens_x_layers_ = 0;
+  std::vector<WritePlace> write_places_;
+  std::vector<SpanPlace> span_places_;
+  int64_t in_bytes_ = 0;
+  int64_t out_bytes_ = 0;
+  std::vector<SpanDesc> descs_;
+  std::vector<SpanPath> paths_;
+  SelectBatch batch_;
+};
+
+}  // namespace indexer::kernels::cuda

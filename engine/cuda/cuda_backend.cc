@@ -21,7 +21,7 @@
 #include "engine/status_macros.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/select_batch.h"
-#include "kernels/cuda/span_desc.h"
+#include "kernels/cuda/span_plan.h"
 
 namespace indexer::engine {
 namespace {

@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/decode_select.cuh"
 #include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/span_plan.h"
 
 namespace indexer::kernels::cuda {
 

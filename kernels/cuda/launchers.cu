@@ -12,6 +12,7 @@
 #include "kernels/cuda/exact_select.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/prefill_select.cuh"
+#include "kernels/cuda/topk_plan.h"
 
 namespace indexer::kernels::cuda {
 namespace {

@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/decode_select.cuh"
 #include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/span_plan.h"
 #include "kernels/cuda/topk.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
@@ -235,6 +236,19 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
   CpAsyncWait<0>();  // no copy outlives the CTA
 }
 
+// Copies spans[span] into `out` (shared memory, sizeof(SpanDesc) bytes, 16-byte aligned), one
+// word per lane in one round trip. Called by all 32 lanes of one warp; visible to the CTA after
+// a barrier. The top-k reads many fields one after another, some only after a decision on
+// others: from global memory each would be an L2 round trip of its own.
+__device__ __forceinline__ const SpanDesc& CopySpanDesc(const SpanDesc* spans, int span, unsigned char* out) {
+  static_assert(sizeof(SpanDesc) % 4 == 0 && sizeof(SpanDesc) / 4 <= 32, "one word per lane");
+  const int lane = threadIdx.x & 31;
+  if (lane < static_cast<int>(sizeof(SpanDesc) / 4)) {
+    reinterpret_cast<int32_t*>(out)[lane] = reinterpret_cast<const int32_t*>(spans + span)[lane];
+  }
+  return *reinterpret_cast<const SpanDesc*>(out);
+}
+
 // Four CTAs per multiprocessor (64 registers; the shared memory allows four at up to 4096 keys).
 __global__ void __launch_bounds__(256, 4)
     PrefillTopkKernel(const SpanDesc* spans, int num_spans, const float* scores,
@@ -248,9 +262,8 @@ __global__ void __launch_bounds__(256, 4)
   const int r0 = (blockIdx.x - s.topk_group_begin) * rows_per_group;
   const int rows = s.num_tokens * s.num_heads;
   const int n = NextPow2(s.visible_blocks);
-  // Rows of 33 to 64 blocks in registers (case 1 of the prefill preset: 62.7 -> 33.8 µs on the
-  // H200); shorter rows keep the shared-memory path, whose rank selection of up to 32 keys needs
-  // no chain of dependent stages.
+  // Rows of 33 to 64 blocks in registers (short_rows_topk.cuh); shorter rows keep the
+  // shared-memory path, whose rank selection of up to 32 keys needs no chain of dependent stages.
   if (n > 32 && n <= 64 && s.topk <= 32) {
     SelectShortRows(s, scores, r0, min(rows_per_group, rows - r0));
     WritePageTables(s, r0, min(rows_per_group, rows - r0), pt);

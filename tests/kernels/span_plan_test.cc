@@ -1,4 +1,4 @@
-// The CUDA selectors' launch planners (kernels/cuda/span_desc.h), plain C++: every visible block
+// The CUDA selectors' launch planners (kernels/cuda/span_plan.h), plain C++: every visible block
 // of every span belongs to exactly one decode work unit, units stay within the cap, a long span
 // spreads over the GPU next to short ones, and the decode index holds what the plan says. Runs
 // without a GPU.
@@ -8,7 +8,8 @@
 #include <random>
 #include <vector>
 
-#include "kernels/cuda/span_desc.h"
+#include "kernels/cuda/span_plan.h"
+#include "kernels/cuda/topk_plan.h"
 
 namespace indexer::testing {
 namespace {

@@ -375,7 +375,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   const int rows_per_pass = max(1, p.smem_keys >> (__ffs(n) - 1));  // smem_keys / n
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
   for (int r0 = 0; r0 < rows; r0 += rows_per_pass) {
-    SelectRows<true>(s, p.scores, r0, min(rows_per_pass, rows - r0), n, keys, p.pt, stamps);
+    SelectRows<TopkCaller::kDecodeSelector>(s, p.scores, r0, min(rows_per_pass, rows - r0), n, keys, p.pt,
+                                            stamps);
   }
   if (threadIdx.x == 0) p.counters[s_span] = 0;
 }

@@ -262,14 +262,7 @@ __global__ void __launch_bounds__(256, 4)
   const int r0 = (blockIdx.x - s.topk_group_begin) * rows_per_group;
   const int rows = s.num_tokens * s.num_heads;
   const int n = NextPow2(s.visible_blocks);
-  // Rows of 33 to 64 blocks in registers (short_rows_topk.cuh); shorter rows keep the
-  // shared-memory path, whose rank selection of up to 32 keys needs no chain of dependent stages.
-  if (n > 32 && n <= 64 && s.topk <= 32) {
-    SelectShortRows(s, scores, r0, min(rows_per_group, rows - r0));
-    WritePageTables(s, r0, min(rows_per_group, rows - r0), pt);
-  } else {
-    SelectRows<false>(s, scores, r0, min(rows_per_group, rows - r0), n, keys, pt);
-  }
+  SelectRows<TopkCaller::kPrefillTopk>(s, scores, r0, min(rows_per_group, rows - r0), n, keys, pt);
 }
 
 }  // namespace indexer::kernels::cuda

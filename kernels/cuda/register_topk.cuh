@@ -1,6 +1,6 @@
 // Top-k strategy "rows in registers", for the decode selector's last CTA: SPEC.md steps 3-4 for
 // up to 8 rows with NextPow2(rows) * n <= 4096 (n = NextPow2(V): one row of up to 4096 visible
-// blocks, four of up to 1024, eight of up to 512) and topk <= 16 (SelectRows in topk.cuh chooses it).
+// blocks, four of up to 1024, eight of up to 512) and topk <= 16 (ChooseTopk in topk_plan.h).
 //
 // A row's keys lie across the lanes of its warps as vectors of 32, one key per lane each; bitonic
 // networks of shuffles sort each vector and fold them into the warp's 32 largest, and one more
@@ -19,33 +19,12 @@
 
 namespace indexer::kernels::cuda {
 
-// The largest topk SelectRowsInRegisters takes, and the most key vectors (32 keys each) one warp
-// holds: NextPow2(rows) * n <= 4096 per 8 warps.
-inline constexpr int kRegisterTopK = 16;
-inline constexpr int kRegisterVectors = 16;
 // Shared memory SelectRowsInRegisters needs, in keys: 16 per warp for the warps' lists, then
 // 32 * kRegisterVectors per warp for each warp's own buffer.
 inline constexpr int kRegisterTopKSmemKeys = 8 * 16 + 8 * 32 * kRegisterVectors;
 // All the shared memory SelectRowsInRegisters needs, in bytes: those keys, then up to 4096 staged
 // scores and 4 floats of alignment (StageScores).
 inline constexpr int kRegisterTopKSmemBytes = kRegisterTopKSmemKeys * 8 + (4096 + 4) * 4;
-
-// How SelectRowsInRegisters lays out `rows` rows of n = NextPow2(V) keys over 8 warps: `warps`
-// warps per row, `vectors` vectors of 32 keys per warp. vectors is 0 where the path does not apply.
-struct RegisterTopKShape {
-  int warps = 1;
-  int vectors = 0;
-};
-__device__ __forceinline__ RegisterTopKShape RegisterTopKLayout(int rows, int n, int topk) {
-  RegisterTopKShape shape;
-  if (rows < 1 || rows > 8 || topk > kRegisterTopK || NextPow2(rows) * n > 32 * 8 * kRegisterVectors ||
-      blockDim.x != 256) {
-    return shape;
-  }
-  shape.warps = max(1, min(8 / NextPow2(rows), n / 32));
-  shape.vectors = max(1, n / (32 * shape.warps));
-  return shape;
-}
 
 // The final merge of a row's `warps` (2, 4 or 8) warp lists of 16 keys each (shared memory,
 // descending), by the row's first warp: pairs of lists form bitonic vectors (the second list
@@ -145,7 +124,8 @@ __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* r
 // written by other CTAs: read through L2; at most 4096 floats) into shared memory at `staged`
 // (4100 floats) and returns where the first row begins there, as an offset of 0 to 3 floats.
 // 16-byte loads, each thread's all issued before its first store. Called by every thread of the
-// CTA (256 threads, as RegisterTopKLayout requires); the caller synchronizes before reading.
+// CTA (256 threads, as ChooseTopk requires for this strategy); the caller synchronizes before
+// reading.
 //
 // Why, for rows of 16 vectors per warp only: loaded straight from L2, 16 scores per lane arrive
 // one L2 latency after another, and that latency dominates the selection; staged with 16-byte
@@ -181,17 +161,17 @@ __device__ __forceinline__ int StageScores(const SpanDesc& s, const float* score
   return shift;
 }
 
-// Selects rows [row_begin, row_begin + rows) of span `s` (n = NextPow2(V), layout `shape` from
-// RegisterTopKLayout, vectors != 0) from raw scores in global memory, written by other CTAs (read
+// Selects rows [row_begin, row_begin + rows) of span `s` (n = NextPow2(V); `warps_per_row` and
+// `vectors_per_warp` from ChooseTopk) from raw scores in global memory, written by other CTAs (read
 // through L2, or staged in shared memory first), writing their block ids. `lists` is shared
 // memory of kRegisterTopKSmemBytes. Called by every thread of the CTA (256 threads).
 __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const float* scores, int row_begin,
-                                                      int rows, RegisterTopKShape shape, uint64_t* lists,
-                                                      unsigned long long* stamps) {
+                                                      int rows, int warps_per_row, int vectors_per_warp,
+                                                      uint64_t* lists, unsigned long long* stamps) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int r = warp / shape.warps;
-  const int warp_in_row = warp - r * shape.warps;
+  const int r = warp / warps_per_row;
+  const int warp_in_row = warp - r * warps_per_row;
   const bool active = r < rows;
   const int row = row_begin + min(r, rows - 1);
   const int64_t row_visible = (s.start_pos + row / s.num_heads) / kBlockSize + 1;
@@ -201,7 +181,7 @@ __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const f
   // Rows of 16 vectors per warp are staged in shared memory first (StageScores says why).
   float* staged = reinterpret_cast<float*>(lists + kRegisterTopKSmemKeys);
   int shift = 0;
-  if (shape.vectors == kRegisterVectors) {
+  if (vectors_per_warp == kRegisterVectors) {
     shift = StageScores(s, scores, row_begin, rows, staged);
     __syncthreads();
     Stamp(stamps, kTimelineLoaded);
@@ -213,21 +193,21 @@ __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const f
     // Two pointers, not one that may be either: the staged reads stay shared-memory loads.
     const float* global_row = scores + s.score_offset + int64_t{row_begin} * s.visible_blocks + offset;
     const float* staged_row = staged + shift + offset;
-    switch (shape.vectors) {
-      case 1: top = WarpRowTop<1, false>(s, global_row, row_visible, shape.warps, warp_in_row, buffer); break;
-      case 2: top = WarpRowTop<2, false>(s, global_row, row_visible, shape.warps, warp_in_row, buffer); break;
-      case 4: top = WarpRowTop<4, false>(s, global_row, row_visible, shape.warps, warp_in_row, buffer); break;
-      case 8: top = WarpRowTop<8, false>(s, global_row, row_visible, shape.warps, warp_in_row, buffer); break;
-      default: top = WarpRowTop<16, true>(s, staged_row, row_visible, shape.warps, warp_in_row, buffer); break;
+    switch (vectors_per_warp) {
+      case 1: top = WarpRowTop<1, false>(s, global_row, row_visible, warps_per_row, warp_in_row, buffer); break;
+      case 2: top = WarpRowTop<2, false>(s, global_row, row_visible, warps_per_row, warp_in_row, buffer); break;
+      case 4: top = WarpRowTop<4, false>(s, global_row, row_visible, warps_per_row, warp_in_row, buffer); break;
+      case 8: top = WarpRowTop<8, false>(s, global_row, row_visible, warps_per_row, warp_in_row, buffer); break;
+      default: top = WarpRowTop<16, true>(s, staged_row, row_visible, warps_per_row, warp_in_row, buffer); break;
     }
   }
   Stamp(stamps, kTimelineThreshold);
-  if (shape.warps > 1) {
+  if (warps_per_row > 1) {
     if (active && lane < 16) lists[warp * 16 + lane] = top;
     __syncthreads();
     if (active && warp_in_row == 0) {
       const uint64_t* row_lists = lists + warp * 16;
-      switch (shape.warps) {
+      switch (warps_per_row) {
         case 2: top = MergeWarpLists<1>(row_lists); break;
         case 4: top = MergeWarpLists<2>(row_lists); break;
         default: top = MergeWarpLists<4>(row_lists); break;

@@ -132,17 +132,22 @@ __device__ __forceinline__ bool WarpTopK(const uint64_t* row, int n, int kept, u
   return true;
 }
 
-// Each warp selects its rows of the pass from the shared keys, writing their block ids; rows
-// with `counts` set and counts[r] <= cap were selected already (by the threshold pass) and are
-// left alone. Rows whose top-k a warp cannot find alone are sorted whole by the CTA afterwards.
-// Called by every thread.
+// Each warp selects its rows of the pass from the shared keys by ChooseSharedRowMethod's method
+// (topk_plan.h: ChooseTopk's row_method), writing their block ids; rows with `counts` set and
+// counts[r] <= cap were selected already (by the threshold pass) and are left alone. Rows whose
+// top-k a warp cannot find alone are sorted whole by the CTA afterwards. Called by every thread.
+//
+// The method is evaluated here, from the descriptor's topk, rather than passed in: nothing derived
+// from topk then stays live across the key loads before it, whose batches fill the prefill top-k
+// kernel's 64 registers.
 __device__ __forceinline__ void SelectFromSharedKeys(const SpanDesc& s, int row_begin, int rows, int n,
                                                      uint64_t* keys, const int* counts, int cap,
                                                      unsigned long long* stamps = nullptr) {
   const int log_n = __ffs(n) - 1;
   const int count = rows << log_n;
   const int topk = s.topk;
-  const int kept = min(n, NextPow2(topk));
+  const int kept = KeptKeys(n, topk);
+  const SharedRowMethod method = ChooseSharedRowMethod(n, kept);
   const int warp = threadIdx.x >> 5;
   const int warps = blockDim.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -156,7 +161,7 @@ __device__ __forceinline__ void SelectFromSharedKeys(const SpanDesc& s, int row_
     const int64_t pos = s.start_pos + row / s.num_heads;
     const int64_t visible = pos / kBlockSize + 1;
     const uint64_t* sorted = nullptr;
-    if (n <= 32) {
+    if (method == SharedRowMethod::kRankInWarp) {
       // The whole row fits a warp: each lane writes its key's id at the key's rank.
       const uint64_t x = lane < n ? keys[(r << log_n) + lane] : 0;
       const int rank = WarpRankDesc(x);
@@ -164,22 +169,23 @@ __device__ __forceinline__ void SelectFromSharedKeys(const SpanDesc& s, int row_
         s.block_ids[int64_t{row} * topk + rank] = rank < visible && rank < kept ? SelectionKeyBlock(x) : -1;
       }
       for (int j = 32 + lane; j < topk; j += 32) s.block_ids[int64_t{row} * topk + j] = -1;
-    } else if (n == 64 && kept <= 32) {
+    } else if (method == SharedRowMethod::kTwoKeysPerLane) {
       // Two keys per lane, sorted in registers (a shared-memory sort of the row takes four times
       // the instructions, and the prefill top-k's many rows of 64 blocks are issue-bound).
       const uint64_t x = WarpTop32Of64(keys[(r << log_n) + lane], keys[(r << log_n) + 32 + lane]);
       if (lane < topk) {
         s.block_ids[int64_t{row} * topk + lane] = lane < visible && lane < kept ? SelectionKeyBlock(x) : -1;
       }
-    } else if (n <= 64 || (n <= kWarpCandidates && kept > 32)) {
+    } else if (method == SharedRowMethod::kWarpSort) {
       // Short rows: sort a copy of the whole row within the warp.
       for (int i = lane; i < max(n, 2); i += 32) candidates[i] = i < n ? keys[(r << log_n) + i] : 0;
       __syncwarp();
       WarpSortDesc(candidates, max(n, 2));
       sorted = candidates;
-    } else if (kept <= 32 && WarpTopK(keys + (r << log_n), n, kept, candidates, stamps)) {
+    } else if (method == SharedRowMethod::kWarpTopK && WarpTopK(keys + (r << log_n), n, kept, candidates, stamps)) {
       sorted = candidates;
     } else if (lane == 0) {
+      // kWholeRowSort, or WarpTopK's candidates overflowed.
       atomicOr(&s_need_full, 1);
     }
     if (sorted != nullptr) {

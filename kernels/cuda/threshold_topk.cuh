@@ -1,5 +1,5 @@
 // Top-k strategy "threshold pass", for the decode selector's last CTA on several long rows (2 or
-// more rows of 512 to 1024 visible blocks, topk <= 32; SelectRows in topk.cuh chooses it): each row is
+// more rows of 512 to 1024 visible blocks, topk <= 32; ChooseTopk in topk_plan.h): each row is
 // held by one or two warps, every thread with up to 16 of its scores in registers, all loads in
 // flight together. A bound from the threads' maxima lets only a few dozen keys per row through to
 // a candidate list, which one warp orders; rows whose list overflows are left to the shared-keys
@@ -15,13 +15,9 @@
 
 namespace indexer::kernels::cuda {
 
-// Keys one thread of the threshold pass holds at most, and rows one pass holds at most.
-inline constexpr int kThresholdKeys = 16;
-inline constexpr int kThresholdRowsPerPass = 8;
-
 // Threshold pass: rows of `threads_per_row` threads each (32 or 64: one or two warps), every
 // thread loading n / threads_per_row <= kThresholdKeys keys of its row. The kept-th largest of the
-// row's thread maxima (kept = min(n, NextPow2(topk)) <= 32) is at most the row's kept-th largest
+// row's thread maxima (kept = KeptKeys(n, topk) <= 32) is at most the row's kept-th largest
 // key, so every key of the top `kept` is at or above it: the threads append those keys to the
 // row's candidate list together (a few dozen for random scores), and one warp per row orders that
 // list (by rank up to 32 keys). A row whose list overflows `cap` is left to SelectFromSharedKeys;
@@ -37,7 +33,7 @@ __device__ __forceinline__ void SelectRowsThreshold(const SpanDesc& s, const flo
   const int count = rows << log_n;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int kept = min(n, NextPow2(s.topk));
+  const int kept = KeptKeys(n, s.topk);
   const int log_threads_per_row = __ffs(threads_per_row) - 1;
   const int r = threadIdx.x >> log_threads_per_row;
   const bool active = r < rows;
@@ -50,8 +46,8 @@ __device__ __forceinline__ void SelectRowsThreshold(const SpanDesc& s, const flo
   }
   uint64_t thread_max = 0;
   {
-    // Thread c of a row holds blocks c, c + threads_per_row, ...: a warp's loads are contiguous. Every
-    // load is issued, branch-free from a valid address, before any is used.
+    // Thread c of a row holds blocks c, c + threads_per_row, ...: a warp's loads are contiguous.
+    // Every load is issued, branch-free from a valid address, before any is used.
     const int row = row_begin + min(r, rows - 1);
     const int64_t row_visible = (s.start_pos + row / s.num_heads) / kBlockSize + 1;
     const int64_t score_offset = s.score_offset;

@@ -22,41 +22,24 @@
 
 namespace indexer::kernels::cuda {
 
-// Selects rows [row_begin, row_begin + rows) of span `s` from raw scores in global memory
-// (written by other CTAs: read through L2). `keys` is shared memory for rows * n keys, with
-// n = NextPow2(s.visible_blocks), followed by kWarpCandidates keys per warp. Called by every
-// thread of the CTA. kThreshold allows the register path (register_topk.cuh) and the threshold
-// pass (the decode selector; the prefill top-k kernel, with many CTAs per multiprocessor and rows
-// too short or too many for them to pay, keeps its registers for occupancy).
-template <bool kThreshold>
-__device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* scores, int row_begin,
-                                           int rows, int n, uint64_t* keys, PageTableParams pt,
-                                           unsigned long long* stamps = nullptr) {
-  if constexpr (kThreshold) {
-    // Up to 8 rows with NextPow2(rows) * n <= 4096, topk <= 16: in registers.
-    const RegisterTopKShape shape = RegisterTopKLayout(rows, n, s.topk);
-    if (shape.vectors != 0) {
-      SelectRowsInRegisters(s, scores, row_begin, rows, shape, keys, stamps);
-      Stamp(stamps, kTimelineShared);
-      WritePageTables(s, row_begin, rows, pt);
-      Stamp(stamps, kTimelineEnd);
-      return;
-    }
-  }
-  // The threshold pass where it pays: several rows of 512 or 1024 blocks (shorter rows and single
-  // rows select as fast from shared memory), topk <= 32; two warps per row for up to four rows,
-  // else one. Otherwise one pass of every row through shared memory.
+// The threshold pass or the shared-keys strategy over rows [row_begin, row_begin + rows), in
+// passes of choice.rows_per_pass rows through shared memory. Called by every thread of the CTA.
+template <TopkCaller kCaller>
+__device__ __forceinline__ void SelectRowsInPasses(const SpanDesc& s, const float* scores, int row_begin,
+                                                   int rows, int n, const TopkChoice& choice, uint64_t* keys,
+                                                   unsigned long long* stamps) {
   __shared__ int s_count[kThresholdRowsPerPass];
-  const int threads_per_row = (rows <= 4 || n > 32 * kThresholdKeys) ? 64 : 32;
-  const bool threshold = kThreshold && rows >= 2 && n >= 512 && n <= 64 * kThresholdKeys &&
-                         s.topk <= 32 && static_cast<int>(blockDim.x) == kTopkWarps * 32;
-  const int pass_rows = threshold ? static_cast<int>(blockDim.x) / threads_per_row : rows;
-  // Candidate lists after a pass's keys: this many per row (a power of two).
-  const int cap = min(kWarpCandidates, (kTopkWarps * kWarpCandidates) / NextPow2(pass_rows));
+  // A constant false in the prefill top-k kernel, which never takes the threshold pass: its code
+  // and shared arrays are not compiled into that kernel.
+  const bool threshold = kCaller == TopkCaller::kDecodeSelector && choice.strategy == TopkStrategy::kThresholdPass;
+  // The shared-keys strategy's one pass holds every row (ChooseTopk's rows_per_pass == rows).
+  const int pass_rows = threshold ? choice.rows_per_pass : rows;
+  const int cap = choice.candidates_per_row;
   for (int r0 = 0; r0 < rows; r0 += pass_rows) {
     const int n_rows = min(pass_rows, rows - r0);
     if (threshold) {
-      SelectRowsThreshold(s, scores, row_begin + r0, n_rows, n, threads_per_row, keys, s_count, cap, stamps);
+      SelectRowsThreshold(s, scores, row_begin + r0, n_rows, n, choice.threads_per_row, keys, s_count, cap,
+                          stamps);
     } else {
       LoadKeysShared(s, scores, row_begin + r0, n_rows, n, keys);
       Stamp(stamps, kTimelineLoaded);
@@ -66,6 +49,38 @@ __device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* score
     SelectFromSharedKeys(s, row_begin + r0, n_rows, n, keys, threshold ? s_count : nullptr, cap, stamps);
     Stamp(stamps, kTimelineShared);
   }
+}
+
+// Selects rows [row_begin, row_begin + rows) of span `s` from raw scores in global memory
+// (written by other CTAs: read through L2) and writes their page tables: ChooseTopk picks the
+// strategy, this dispatches to it. `keys` is shared memory for rows * n keys, with
+// n = NextPow2(s.visible_blocks), followed by kWarpCandidates keys per warp (and, in the decode
+// selector, at least kRegisterTopKSmemBytes). Called by every thread of the CTA. Strategies that
+// ChooseTopk never picks for kCaller are not compiled into its kernel: the prefill top-k kernel
+// keeps its registers for occupancy.
+template <TopkCaller kCaller>
+__device__ __forceinline__ void SelectRows(const SpanDesc& s, const float* scores, int row_begin,
+                                           int rows, int n, uint64_t* keys, PageTableParams pt,
+                                           unsigned long long* stamps = nullptr) {
+  const TopkChoice choice = ChooseTopk(kCaller, rows, n, s.topk, static_cast<int>(blockDim.x));
+  if constexpr (kCaller == TopkCaller::kPrefillTopk) {
+    if (choice.strategy == TopkStrategy::kShortRows) {
+      SelectShortRows(s, scores, row_begin, rows);
+      WritePageTables(s, row_begin, rows, pt);
+      return;
+    }
+  }
+  if constexpr (kCaller == TopkCaller::kDecodeSelector) {
+    if (choice.strategy == TopkStrategy::kRegisters) {
+      SelectRowsInRegisters(s, scores, row_begin, rows, choice.warps_per_row, choice.vectors_per_warp, keys,
+                            stamps);
+      Stamp(stamps, kTimelineShared);
+      WritePageTables(s, row_begin, rows, pt);
+      Stamp(stamps, kTimelineEnd);
+      return;
+    }
+  }
+  SelectRowsInPasses<kCaller>(s, scores, row_begin, rows, n, choice, keys, stamps);
   WritePageTables(s, row_begin, rows, pt);
   Stamp(stamps, kTimelineEnd);
 }

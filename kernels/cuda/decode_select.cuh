@@ -150,8 +150,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   constexpr int kSteps = D / 16;
   constexpr int kStages = Shape::kStages;
   // 128-byte aligned: with the static variables below the dynamic block can start 16 bytes in,
-  // and a cp.async whose 32-byte sector lands across two shared sectors fetches it twice
-  // (ncu: twice the L2 sectors of the key bytes, and the L2 as the bottleneck).
+  // and a cp.async whose 32-byte sector lands across two shared sectors fetches it twice, which
+  // doubles the L2 traffic and makes the L2 the bottleneck.
   extern __shared__ __align__(128) uint4 decode_smem[];
   char* smem = reinterpret_cast<char*>(decode_smem);
   __shared__ int s_span;
@@ -201,8 +201,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   // threadIdx.x + 256 i of a page, so a warp instruction reads 512 contiguous bytes. Chunk
   // threadIdx.x + 256 i lands where chunk threadIdx.x does, one copy round (4 KB) per i further
   // (256 chunks are whole swizzle periods of 8 rows), so the swizzle is computed once: per page, a
-  // thread computes one source and one destination address (the SASS showed some 70 instructions
-  // per page for the copies when each chunk's address was recomputed).
+  // thread computes one source and one destination address (recomputing every chunk's address
+  // per page would cost tens of instructions per page, and the integer pipe is the busiest).
   constexpr int kRoundBytes = kDecodeWarps * 32 * 16;  // one 16-byte copy per thread
   constexpr int kCopies = Shape::kPageBytes / kRoundBytes;
   static_assert((kDecodeWarps * 32 / Shape::kRowChunks) % 8 == 0, "256 chunks span whole swizzle periods");

@@ -22,8 +22,8 @@ template <int D, KeyStorage S>
 struct PrefillShape {
   // Two warpgroups of 64 rows and two CTAs per multiprocessor (one for head_dim 256, whose A
   // fragments and stages are twice the size): one CTA's barrier waits and pipeline start are the
-  // other's tensor-core time. One CTA of four warpgroups (256 rows, half the shared-memory reads
-  // per product) was 5 to 12% slower on the H200.
+  // other's tensor-core time. One CTA of four warpgroups (256 rows) would halve the shared-memory
+  // reads per product but lose that overlap, and is slower (docs/PERF.md).
   static constexpr int kWarpGroups = 2;
   static constexpr int kMinBlocks = D == 256 ? 1 : 2;
   static constexpr int kThreads = kWarpGroups * 128;

@@ -1,6 +1,6 @@
 // Top-k of raw block scores, shared by the decode selector (its last CTA per span) and the
 // prefill top-k kernel: SPEC.md steps 3-4 and the sparse page table, for a group of rows.
-// SelectRows dispatches a group to one of the strategies, one file each:
+// SelectRows dispatches a group to the strategy ChooseTopk (topk_plan.h) picks, one file each:
 //   short_rows_topk.cuh   rows of 33 to 64 blocks, one warp per row in registers (prefill)
 //   register_topk.cuh     up to 8 short rows across the warps' registers (decode)
 //   threshold_topk.cuh    several long rows, a threshold and candidate lists (decode)

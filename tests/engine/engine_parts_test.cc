@@ -22,6 +22,7 @@
 #include "engine/thread_pool.h"
 #include "engine/wire_values.h"
 #include "kernels/numeric.h"
+#include "tests/testing/bf16.h"
 
 namespace indexer::engine {
 namespace {
@@ -233,9 +234,6 @@ TEST(ThreadPool, DestructionAfterManyShortLoops) {
 std::string Bf16Bytes(const std::vector<uint16_t>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 2);
 }
-std::string Fp32Bytes(const std::vector<float>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-}
 float FromBits(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
@@ -257,7 +255,7 @@ TEST(DecodeRows, Fp32RoundsToBf16TiesToEven) {
   // -> 0x3f81 (nearest); the largest fp32 below the bf16 overflow tie stays finite (0x7f7f).
   const std::vector<float> in = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -2.5f,
                                  1.0f + 0x1p-7f + 0x1p-20f, FromBits(0x7f7f7fffu), -0.0f};
-  const std::string bytes = Fp32Bytes(in);
+  const std::string bytes = testing::Bytes(in);
   std::vector<uint16_t> out;
   int64_t rows = -1;
   ASSERT_TRUE(DecodeRows(bytes, WireDtype::kFp32, 2, "queries", &out, &rows).ok());
@@ -283,7 +281,7 @@ TEST(DecodeRows, RefusesBadDtypesAndSizesNamingTheField) {
   ExpectInvalid(DecodeRows(six_bf16.substr(0, 11), WireDtype::kBf16, 1, "my_keys", &out, &rows),
                 "my_keys");
   // fp32: 12 bytes are 3 values, not whole rows of 2; 14 bytes are not whole values.
-  const std::string fp32 = Fp32Bytes({1.0f, 2.0f, 3.0f, 4.0f});
+  const std::string fp32 = testing::Bytes(std::vector<float>{1.0f, 2.0f, 3.0f, 4.0f});
   ExpectInvalid(DecodeRows(fp32.substr(0, 12), WireDtype::kFp32, 2, "my_q", &out, &rows), "my_q");
   ExpectInvalid(DecodeRows(fp32.substr(0, 14), WireDtype::kFp32, 1, "my_q", &out, &rows), "my_q");
   // The same 12 bytes read as bf16 are 6 values: 2 rows of 3.
@@ -304,7 +302,7 @@ TEST(DecodeRows, RefusesNonFiniteValuesNamingFieldAndPosition) {
                     FromBits(0x7f7f8000u)}) {
     std::vector<float> in(8, 1.0f);
     in[5] = bad;  // row 1, column 1 of rows of 4
-    ExpectInvalid(DecodeRows(Fp32Bytes(in), WireDtype::kFp32, 4, "queries", &out, &rows),
+    ExpectInvalid(DecodeRows(testing::Bytes(in), WireDtype::kFp32, 4, "queries", &out, &rows),
                   "queries[1][1]");
   }
 }

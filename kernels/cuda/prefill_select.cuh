@@ -48,11 +48,12 @@ __device__ __forceinline__ int StagedChunk(int token, int ch) {
   return (ch >> 3) * kSlabBytes + token * 128 + (((ch & 7) ^ (token & 7)) << 4);
 }
 
-// acc (this warp's 16 rows x the block's 128 tokens, mma C fragments per 8 tokens) = q * block.
+// acc (this warp's 16 rows x the block's 128 tokens, mma C fragments per 8 tokens) = q * block,
+// q being `query_frags`, the A fragments of those rows.
 // `stage` is the staged block's shared-memory address (1024-aligned); all warps of a warpgroup call.
 template <int D>
-__device__ __forceinline__ void ScoreBlock(float (&acc)[64], const uint32_t (&qa)[D / 16][4], uint32_t stage,
-                                           const char* stage_ptr) {
+__device__ __forceinline__ void ScoreBlock(float (&acc)[64], const uint32_t (&query_frags)[D / 16][4],
+                                           uint32_t stage, const char* stage_ptr) {
 #if defined(INDEXER_HAVE_WGMMA)
   (void)stage_ptr;
 #pragma unroll
@@ -61,7 +62,7 @@ __device__ __forceinline__ void ScoreBlock(float (&acc)[64], const uint32_t (&qa
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const uint64_t desc = WgmmaDescSw128(stage + (ks >> 2) * kSlabBytes) + 2 * (ks & 3);
-    WgmmaM64N128K16Bf16(acc, qa[ks], desc, ks > 0);
+    WgmmaM64N128K16Bf16(acc, query_frags[ks], desc, ks > 0);
   }
   WgmmaCommit();
   WgmmaWait<0>();
@@ -81,8 +82,8 @@ __device__ __forceinline__ void ScoreBlock(float (&acc)[64], const uint32_t (&qa
     for (int kp = 0; kp < D / 32; ++kp) {
       uint32_t r[4];
       LdMatrixX4(r, stage_ptr + StagedChunk(token, 4 * kp + mi));
-      MmaBf16(c, qa[2 * kp], r[0], r[1]);
-      MmaBf16(c, qa[2 * kp + 1], r[2], r[3]);
+      MmaBf16(c, query_frags[2 * kp], r[0], r[1]);
+      MmaBf16(c, query_frags[2 * kp + 1], r[2], r[3]);
     }
   }
 #endif
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
   const int64_t wg_pos_hi = wg_row0 < rows ? p0 + (min(wg_row0 + 64, rows) - 1) / heads : -1;
 
   // A fragments of this warp's 16 query rows, and each row's position (-1: no such row).
-  uint32_t qa[kSteps][4];
+  uint32_t query_frags[kSteps][4];
   int64_t row_pos[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -137,8 +138,8 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
     const uint32_t* q = reinterpret_cast<const uint32_t*>(s.queries + int64_t{r} * D);
 #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks) {
-      qa[ks][h] = r < rows ? q[(16 * ks + 2 * t) / 2] : 0u;
-      qa[ks][2 + h] = r < rows ? q[(16 * ks + 2 * t + 8) / 2] : 0u;
+      query_frags[ks][h] = r < rows ? q[(16 * ks + 2 * t) / 2] : 0u;
+      query_frags[ks][2 + h] = r < rows ? q[(16 * ks + 2 * t + 8) / 2] : 0u;
     }
   }
 
@@ -205,9 +206,9 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
 
     if (int64_t{b} * kBlockSize > wg_pos_hi) continue;  // warpgroup-uniform: no row of it sees b
     float acc[64];
-    ScoreBlock<D>(acc, qa, smem_addr + stage_off(stage), smem + stage_off(stage));
+    ScoreBlock<D>(acc, query_frags, smem_addr + stage_off(stage), smem + stage_off(stage));
 
-    float mrow[2] = {NaNf(), NaNf()};
+    float row_max[2] = {NaNf(), NaNf()};
     const bool masked = int64_t{b} * kBlockSize + kBlockSize - 1 > pos_lo;
     const int64_t tok0 = int64_t{b} * kBlockSize + 2 * t;
 #pragma unroll
@@ -219,12 +220,12 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
           x0 = tok0 + nt * 8 <= row_pos[h] ? x0 : NaNf();
           x1 = tok0 + nt * 8 + 1 <= row_pos[h] ? x1 : NaNf();
         }
-        mrow[h] = MaxSkipNaN(mrow[h], MaxSkipNaN(x0, x1));
+        row_max[h] = MaxSkipNaN(row_max[h], MaxSkipNaN(x0, x1));
       }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float m = mrow[h];
+      float m = row_max[h];
       m = MaxSkipNaN(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = MaxSkipNaN(m, __shfl_xor_sync(0xffffffffu, m, 2));
       const int r = row0 + warp * 16 + g + 8 * h;

@@ -231,9 +231,6 @@ TEST(ThreadPool, DestructionAfterManyShortLoops) {
 // ---------------------------------------------------------------------------------------------
 // DecodeRows
 
-std::string Bf16Bytes(const std::vector<uint16_t>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 2);
-}
 float FromBits(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
@@ -242,7 +239,7 @@ float FromBits(uint32_t u) {
 
 TEST(DecodeRows, Bf16RowsArePassedThrough) {
   const std::vector<uint16_t> in = {0x3f80, 0xc000, 0x8000, 0x7f7f, 0x0001, 0x4040};
-  const std::string bytes = Bf16Bytes(in);
+  const std::string bytes = testing::Bytes(in);
   std::vector<uint16_t> out;
   int64_t rows = -1;
   ASSERT_TRUE(DecodeRows(bytes, WireDtype::kBf16, 3, "keys", &out, &rows).ok());
@@ -272,7 +269,7 @@ void ExpectInvalid(const absl::Status& s, const std::string& needle) {
 TEST(DecodeRows, RefusesBadDtypesAndSizesNamingTheField) {
   std::vector<uint16_t> out;
   int64_t rows = 0;
-  const std::string six_bf16 = Bf16Bytes(std::vector<uint16_t>(6, 0x3f80));
+  const std::string six_bf16 = testing::Bytes(std::vector<uint16_t>(6, 0x3f80));
   ExpectInvalid(DecodeRows(six_bf16, WireDtype::kUnspecified, 3, "my_keys", &out, &rows), "my_keys");
   ExpectInvalid(DecodeRows("", WireDtype::kBf16, 3, "my_keys", &out, &rows), "my_keys");
   // 6 bf16 values are not whole rows of 4.
@@ -295,7 +292,7 @@ TEST(DecodeRows, RefusesNonFiniteValuesNamingFieldAndPosition) {
   for (uint16_t bad : {uint16_t{0x7fc0}, uint16_t{0x7f80}, uint16_t{0xff80}, uint16_t{0xffc1}}) {
     std::vector<uint16_t> in(8, 0x3f80);
     in[6] = bad;  // row 1, column 2 of rows of 4
-    ExpectInvalid(DecodeRows(Bf16Bytes(in), WireDtype::kBf16, 4, "keys", &out, &rows), "keys[1][2]");
+    ExpectInvalid(DecodeRows(testing::Bytes(in), WireDtype::kBf16, 4, "keys", &out, &rows), "keys[1][2]");
   }
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
                     -std::numeric_limits<float>::infinity(), FLT_MAX, -3.4e38f,

@@ -11,9 +11,9 @@
 #   scripts/gpu_check.sh faults
 #     GPU faults: a capacity larger than the card must fail at start with a clear message, and
 #     the fuzz corpus (tests/fuzz/corpus) replayed on the CUDA backend must hold every invariant
-#   scripts/gpu_check.sh session [ARGS]
-#     what one device call of a work session runs: the CUDA backend's tests (without
-#     gpu_select_test and compute-sanitizer), the service demo, faults, then service with ARGS
+#   scripts/gpu_check.sh backend [ARGS]
+#     the CUDA backend's tests (without gpu_select_test and compute-sanitizer), the service
+#     demo, faults, then service with ARGS
 #   scripts/gpu_check.sh service [ARGS]
 #     the service benchmark (scripts/service_bench.py: decode steps over gRPC against the kernel
 #     time, batching on/off, indexer against the echo server) into $OUT/service (three files),
@@ -27,7 +27,7 @@ out=${OUT:-$root/gpu-out}
 mkdir -p "$out"
 bundle=${BUNDLE:-.device/bundle}   # BUNDLE: another folder made like it
 # The archive gpu_bundle.sh made, unpacked afresh each time: a GPU machine may keep an older
-# unpacked .device/bundle from an earlier call.
+# unpacked .device/bundle from an earlier run.
 if [ -z "${BUNDLE:-}" ] && [ -f .device/bundle.tgz ]; then
   rm -rf .device/bundle
   tar xzf .device/bundle.tgz -C .device || { echo "cannot unpack .device/bundle.tgz" >&2; exit 1; }
@@ -38,10 +38,10 @@ step() { echo; echo "=== $* ==="; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$out/nvidia-smi.txt"
 
-if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = session ]; then
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = backend ]; then
   step "GPU tests (kernels vs CPU reference)"
-  if [ "$what" = session ]; then
-    echo "(session: gpu_select_test is left to 'tests')"
+  if [ "$what" = backend ]; then
+    echo "(backend: gpu_select_test is left to 'tests')"
   else
     $bundle/gpu_select_test 2>&1 | tee "$out/gpu_select_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure|error|seed' || true
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -49,7 +49,7 @@ if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = session ]; then
   step "CUDA backend vs CPU backend through the engine"
   $bundle/cuda_backend_test 2>&1 | tee "$out/cuda_backend_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure' || true
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  for tool in $([ "$what" = session ] || echo memcheck racecheck); do
+  for tool in $([ "$what" = backend ] || echo memcheck racecheck); do
     step "compute-sanitizer $tool"
     compute-sanitizer --tool $tool --error-exitcode 9 $bundle/gpu_select_test --gtest_filter='*SanitizerSmall*' \
       >> "$out/sanitizer.log" 2>&1
@@ -59,7 +59,7 @@ if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = session ]; then
   done
 fi
 
-if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = session ]; then
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = backend ]; then
   step "the service on the GPU: indexer-server --device=cuda driven by indexer-cli demo"
   $bundle/indexer-server --listen=127.0.0.1:50191 --device=cuda --capacity=16GiB > "$out/server.log" 2>&1 &
   server=$!
@@ -99,7 +99,7 @@ if [ "$what" = profile ]; then
     grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles Per Issued|Grid Size|Dynamic Shared" "$out/ncu_${c//,/_}.txt" | head -30
   done
 fi
-if [ "$what" = faults ] || [ "$what" = session ]; then
+if [ "$what" = faults ] || [ "$what" = backend ]; then
   step "GPU faults: a pool larger than the card"
   for devices in 0 all; do
     start=$(date +%s%N)
@@ -114,7 +114,7 @@ if [ "$what" = faults ] || [ "$what" = session ]; then
   INDEXER_FUZZ_DEVICE=cuda $bundle/fuzz_corpus_test tests/fuzz/corpus 2>&1 | tail -n 3 | tee "$out/fuzz_corpus_cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "fuzz corpus on CUDA failed"; status=1; }
 fi
-if [ "$what" = service ] || [ "$what" = session ]; then
+if [ "$what" = service ] || [ "$what" = backend ]; then
   step "service benchmark (indexer-server, indexer-echo-server and indexer-bench on this machine)"
   python3 scripts/service_bench.py --device cuda --bin $bundle --out "$out/service" "${@:2}" || status=1
 fi

@@ -23,7 +23,7 @@
 #include "engine/status_macros.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/select_batch.h"
-#include "kernels/cuda/span_desc.h"
+#include "kernels/cuda/span_plan.h"
 #include "kernels/cuda/step_staging.h"
 
 namespace indexer::engine {

@@ -4,12 +4,12 @@
 // service: it reads N pages of 32 KB (128 tokens x 128 dims x bf16) in random page order, each
 // CTA taking a run of 32 pages as the decode selector does, and folds every word into a checksum
 // so that no load is dropped. Patterns:
-//   quad    : the earlier selector's register loads (lane t of quad g reads 64 contiguous bytes
-//             of row g), one tile in flight per warp
+//   quad    : register loads where lane t of quad g reads 64 contiguous bytes of row g, one tile
+//             in flight per warp
 //   line    : the same bytes per warp, each warp instruction reading 512 contiguous bytes
 //   cpa     : cp.async 16-byte copies of whole pages into 3 shared-memory stages; destination
 //             straight, XOR-swizzled in 16-byte chunks, or straight but 16 bytes off a 32-byte
-//             boundary (what a 16-byte static shared variable did to the selector)
+//             boundary (where a 16-byte static shared variable puts an unaligned dynamic block)
 //   units   : the decode selector's work-unit shapes on that pipeline (16 pages per CTA): as is,
 //             with three dependent loads before the first copy (its span search, descriptor and
 //             page ids), and "flowing" (resident CTAs only, the ring never drained between units)

@@ -150,8 +150,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   constexpr int kSteps = D / 16;
   constexpr int kStages = Shape::kStages;
   // 128-byte aligned: with the static variables below the dynamic block can start 16 bytes in,
-  // and a cp.async whose 32-byte sector lands across two shared sectors fetches it twice
-  // (ncu: twice the L2 sectors of the key bytes, and the L2 as the bottleneck).
+  // and a cp.async whose 32-byte sector lands across two shared sectors fetches it twice, which
+  // doubles the L2 traffic and makes the L2 the bottleneck.
   extern __shared__ __align__(128) uint4 decode_smem[];
   char* smem = reinterpret_cast<char*>(decode_smem);
   __shared__ int s_span;
@@ -182,10 +182,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   }
   __syncthreads();
   const SpanDesc& s = *reinterpret_cast<const SpanDesc*>(s_desc);
-  // The span's fields in registers: the score stores below would otherwise make the compiler
-  // read them again from global memory on every block.
+  // mma fragment coordinates: lane group g (lane / 4) and thread t within it (lane % 4); query
+  // n-tiles nt of 8 rows; k-steps ks of 16 dimensions.
   const int g = lane >> 2;
   const int t = lane & 3;
+  // The span's fields in registers: the score stores below would otherwise make the compiler
+  // read them again from global memory on every block.
   const int num_heads = s.num_heads;
   const int rows = s.num_tokens * num_heads;
   const int64_t p0 = s.start_pos;
@@ -201,8 +203,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   // threadIdx.x + 256 i of a page, so a warp instruction reads 512 contiguous bytes. Chunk
   // threadIdx.x + 256 i lands where chunk threadIdx.x does, one copy round (4 KB) per i further
   // (256 chunks are whole swizzle periods of 8 rows), so the swizzle is computed once: per page, a
-  // thread computes one source and one destination address (the SASS showed some 70 instructions
-  // per page for the copies when each chunk's address was recomputed).
+  // thread computes one source and one destination address (recomputing every chunk's address
+  // per page would cost tens of instructions per page, and the integer pipe is the busiest).
   constexpr int kRoundBytes = kDecodeWarps * 32 * 16;  // one 16-byte copy per thread
   constexpr int kCopies = Shape::kPageBytes / kRoundBytes;
   static_assert((kDecodeWarps * 32 / Shape::kRowChunks) % 8 == 0, "256 chunks span whole swizzle periods");
@@ -219,7 +221,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
 #pragma unroll
   for (int i = 0; i + 1 < kStages; ++i) issue(b_begin + i);
 
-  uint32_t qf[NT][kSteps][2];
+  uint32_t query_frags[NT][kSteps][2];
   int64_t col_pos[NT][2];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -231,7 +233,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
       for (int j = 0; j < 2; ++j) {
         uint32_t x = qrow < rows ? q[Shape::PairDim(t, ks, j) / 2] : 0u;
         if constexpr (S != KeyStorage::kBf16) x = Bf16x2ToF16x2(x);
-        qf[nt][ks][j] = x;
+        query_frags[nt][ks][j] = x;
       }
     }
 #pragma unroll
@@ -242,8 +244,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   }
 
   // Per-warp maxima of the last two blocks: [2][8 warps][rows].
-  float* part = reinterpret_cast<float*>(smem + Shape::kStageBytes + DecodePageIdBytes(p.chunk_blocks));
-  // Block bb's scores from its per-warp maxima (after a barrier that follows their writes): thread
+  float* warp_maxima = reinterpret_cast<float*>(smem + Shape::kStageBytes + DecodePageIdBytes(p.chunk_blocks));
+  // Block `block`'s scores from its per-warp maxima (after a barrier that follows their writes): thread
   // `col` < rows (at most 32) writes row col's score, for the blocks its token sees.
   static_assert(NT * 8 <= kDecodeWarps * 32, "one thread per row flushes its scores");
   const int flush_col = static_cast<int>(threadIdx.x);
@@ -251,13 +253,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
       flush_col < rows ? static_cast<int>((p0 + flush_col / num_heads) / kBlockSize) : -1;
   float* const flush_scores =
       flush_col < rows ? p.scores + score_offset + int64_t{flush_col} * visible_blocks : p.scores;
-  const auto flush = [&](int bb) {
-    if (bb <= flush_last_block) {
-      const float* pp = part + (bb & 1) * kDecodeWarps * rows + flush_col;
-      float mx = NaNf();
+  const auto flush = [&](int block) {
+    if (block <= flush_last_block) {
+      const float* maxima = warp_maxima + (block & 1) * kDecodeWarps * rows + flush_col;
+      float best = NaNf();
 #pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) mx = MaxSkipNaN(mx, pp[w * rows]);
-      flush_scores[bb] = mx == mx ? mx : kEmptyScore;
+      for (int w = 0; w < kDecodeWarps; ++w) best = MaxSkipNaN(best, maxima[w * rows]);
+      flush_scores[block] = best == best ? best : kEmptyScore;
     }
   };
   // ldmatrix source rows: lane l reads row 16 warp + 8 ((l >> 3) & 1) + (l & 7) at chunk
@@ -271,9 +273,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
     issue(b + kStages - 1);
     if (b > b_begin) flush(b - 1);
     const char* stage = smem + ((b - b_begin) % kStages) * Shape::kPageBytes;
-    float m[NT][2];
+    float row_max[NT][2];  // this warp's block maximum per query row
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) m[nt][0] = m[nt][1] = NaNf();
+    for (int nt = 0; nt < NT; ++nt) row_max[nt][0] = row_max[nt][1] = NaNf();
     const int64_t tok = int64_t{b} * kBlockSize + warp * 16 + g;
     if (int64_t{b} * kBlockSize + warp * 16 <= pos_max) {
       float acc[NT][4];
@@ -284,9 +286,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
         for (int nt = 0; nt < NT; ++nt) {
           if (nt * 8 < rows) {
             if constexpr (S == KeyStorage::kBf16) {
-              MmaBf16(acc[nt], a, qf[nt][ks][0], qf[nt][ks][1]);
+              MmaBf16(acc[nt], a, query_frags[nt][ks][0], query_frags[nt][ks][1]);
             } else {
-              MmaF16(acc[nt], a, qf[nt][ks][0], qf[nt][ks][1]);
+              MmaF16(acc[nt], a, query_frags[nt][ks][0], query_frags[nt][ks][1]);
             }
           }
         }
@@ -320,14 +322,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         if (unmasked) {
-          m[nt][0] = MaxSkipNaN(acc[nt][0], acc[nt][2]);
-          m[nt][1] = MaxSkipNaN(acc[nt][1], acc[nt][3]);
+          row_max[nt][0] = MaxSkipNaN(acc[nt][0], acc[nt][2]);
+          row_max[nt][1] = MaxSkipNaN(acc[nt][1], acc[nt][3]);
         } else {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const float lo = tok <= col_pos[nt][c] ? acc[nt][c] : NaNf();
             const float hi = tok + 8 <= col_pos[nt][c] ? acc[nt][2 + c] : NaNf();
-            m[nt][c] = MaxSkipNaN(lo, hi);
+            row_max[nt][c] = MaxSkipNaN(lo, hi);
           }
         }
       }
@@ -338,18 +340,18 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
       for (int c = 0; c < 2; ++c) {
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) {
-          m[nt][c] = MaxSkipNaN(m[nt][c], __shfl_xor_sync(0xffffffffu, m[nt][c], off));
+          row_max[nt][c] = MaxSkipNaN(row_max[nt][c], __shfl_xor_sync(0xffffffffu, row_max[nt][c], off));
         }
       }
     }
     if (g == 0) {
-      float* pp = part + (b & 1) * kDecodeWarps * rows + warp * rows;
+      float* maxima = warp_maxima + (b & 1) * kDecodeWarps * rows + warp * rows;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int col = nt * 8 + 2 * t + c;
-          if (col < rows) pp[col] = m[nt][c];
+          if (col < rows) maxima[col] = row_max[nt][c];
         }
       }
     }
@@ -375,7 +377,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   const int rows_per_pass = max(1, p.smem_keys >> (__ffs(n) - 1));  // smem_keys / n
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
   for (int r0 = 0; r0 < rows; r0 += rows_per_pass) {
-    SelectRows<true>(s, p.scores, r0, min(rows_per_pass, rows - r0), n, keys, p.pt, stamps);
+    SelectRows<TopkCaller::kDecodeSelector>(s, p.scores, r0, min(rows_per_pass, rows - r0), n, keys, p.pt,
+                                            stamps);
   }
   if (threadIdx.x == 0) p.counters[s_span] = 0;
 }

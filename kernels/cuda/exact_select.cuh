@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/decode_select.cuh"
 #include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/span_plan.h"
 
 namespace indexer::kernels::cuda {
 
@@ -26,8 +27,8 @@ __global__ void __launch_bounds__(128) ExactScoreKernel(const SpanDesc* spans, i
   const int row0 = tile * kTile;
   const int r = row0 + threadIdx.x;
   for (int i = threadIdx.x; i < kTile * D; i += blockDim.x) {
-    const int rr = i / D, d = i % D;
-    q[d][rr] = row0 + rr < rows ? s.queries[int64_t{row0 + rr} * D + d] : uint16_t{0};
+    const int tile_row = i / D, d = i % D;
+    q[d][tile_row] = row0 + tile_row < rows ? s.queries[int64_t{row0 + tile_row} * D + d] : uint16_t{0};
   }
   __syncthreads();
   if (threadIdx.x >= kTile || r >= rows) return;

@@ -12,14 +12,15 @@
 #include "kernels/cuda/exact_select.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/prefill_select.cuh"
+#include "kernels/cuda/topk_plan.h"
 
 namespace indexer::kernels::cuda {
 namespace {
 
 // Raises `kernel`'s dynamic shared memory limit to everything the current device offers, once
 // per (device, kernel). The limit is a cap, not a reservation: occupancy follows each launch's
-// own size. One fixed value per device means concurrent launches on several streams (which used
-// to set exactly their own size just before launching) can never lower it under one another.
+// own size. One fixed value per device means concurrent launches on several streams can never
+// lower it under one another.
 cudaError_t AllowSharedMemory(const void* kernel) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);

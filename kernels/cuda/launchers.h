@@ -22,6 +22,9 @@
 #include <type_traits>
 
 #include "kernels/cuda/span_desc.h"
+#include "kernels/cuda/span_plan.h"
+#include "kernels/numeric.h"
+#include "kernels/select_types.h"
 
 namespace indexer::kernels::cuda {
 

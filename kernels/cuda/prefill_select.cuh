@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/decode_select.cuh"
 #include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/span_plan.h"
 #include "kernels/cuda/topk.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
@@ -21,8 +22,8 @@ template <int D, KeyStorage S>
 struct PrefillShape {
   // Two warpgroups of 64 rows and two CTAs per multiprocessor (one for head_dim 256, whose A
   // fragments and stages are twice the size): one CTA's barrier waits and pipeline start are the
-  // other's tensor-core time. One CTA of four warpgroups (256 rows, half the shared-memory reads
-  // per product) was 5 to 12% slower on the H200.
+  // other's tensor-core time. One CTA of four warpgroups (256 rows) would halve the shared-memory
+  // reads per product but lose that overlap, and is slower (docs/PERF.md).
   static constexpr int kWarpGroups = 2;
   static constexpr int kMinBlocks = D == 256 ? 1 : 2;
   static constexpr int kThreads = kWarpGroups * 128;
@@ -47,11 +48,12 @@ __device__ __forceinline__ int StagedChunk(int token, int ch) {
   return (ch >> 3) * kSlabBytes + token * 128 + (((ch & 7) ^ (token & 7)) << 4);
 }
 
-// acc (this warp's 16 rows x the block's 128 tokens, mma C fragments per 8 tokens) = q * block.
+// acc (this warp's 16 rows x the block's 128 tokens, mma C fragments per 8 tokens) = q * block,
+// q being `query_frags`, the A fragments of those rows.
 // `stage` is the staged block's shared-memory address (1024-aligned); all warps of a warpgroup call.
 template <int D>
-__device__ __forceinline__ void ScoreBlock(float (&acc)[64], const uint32_t (&qa)[D / 16][4], uint32_t stage,
-                                           const char* stage_ptr) {
+__device__ __forceinline__ void ScoreBlock(float (&acc)[64], const uint32_t (&query_frags)[D / 16][4],
+                                           uint32_t stage, const char* stage_ptr) {
 #if defined(INDEXER_HAVE_WGMMA)
   (void)stage_ptr;
 #pragma unroll
@@ -60,7 +62,7 @@ __device__ __forceinline__ void ScoreBlock(float (&acc)[64], const uint32_t (&qa
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const uint64_t desc = WgmmaDescSw128(stage + (ks >> 2) * kSlabBytes) + 2 * (ks & 3);
-    WgmmaM64N128K16Bf16(acc, qa[ks], desc, ks > 0);
+    WgmmaM64N128K16Bf16(acc, query_frags[ks], desc, ks > 0);
   }
   WgmmaCommit();
   WgmmaWait<0>();
@@ -80,8 +82,8 @@ __device__ __forceinline__ void ScoreBlock(float (&acc)[64], const uint32_t (&qa
     for (int kp = 0; kp < D / 32; ++kp) {
       uint32_t r[4];
       LdMatrixX4(r, stage_ptr + StagedChunk(token, 4 * kp + mi));
-      MmaBf16(c, qa[2 * kp], r[0], r[1]);
-      MmaBf16(c, qa[2 * kp + 1], r[2], r[3]);
+      MmaBf16(c, query_frags[2 * kp], r[0], r[1]);
+      MmaBf16(c, query_frags[2 * kp + 1], r[2], r[3]);
     }
   }
 #endif
@@ -127,7 +129,7 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
   const int64_t wg_pos_hi = wg_row0 < rows ? p0 + (min(wg_row0 + 64, rows) - 1) / heads : -1;
 
   // A fragments of this warp's 16 query rows, and each row's position (-1: no such row).
-  uint32_t qa[kSteps][4];
+  uint32_t query_frags[kSteps][4];
   int64_t row_pos[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -136,8 +138,8 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
     const uint32_t* q = reinterpret_cast<const uint32_t*>(s.queries + int64_t{r} * D);
 #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks) {
-      qa[ks][h] = r < rows ? q[(16 * ks + 2 * t) / 2] : 0u;
-      qa[ks][2 + h] = r < rows ? q[(16 * ks + 2 * t + 8) / 2] : 0u;
+      query_frags[ks][h] = r < rows ? q[(16 * ks + 2 * t) / 2] : 0u;
+      query_frags[ks][2 + h] = r < rows ? q[(16 * ks + 2 * t + 8) / 2] : 0u;
     }
   }
 
@@ -204,9 +206,9 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
 
     if (int64_t{b} * kBlockSize > wg_pos_hi) continue;  // warpgroup-uniform: no row of it sees b
     float acc[64];
-    ScoreBlock<D>(acc, qa, smem_addr + stage_off(stage), smem + stage_off(stage));
+    ScoreBlock<D>(acc, query_frags, smem_addr + stage_off(stage), smem + stage_off(stage));
 
-    float mrow[2] = {NaNf(), NaNf()};
+    float row_max[2] = {NaNf(), NaNf()};
     const bool masked = int64_t{b} * kBlockSize + kBlockSize - 1 > pos_lo;
     const int64_t tok0 = int64_t{b} * kBlockSize + 2 * t;
 #pragma unroll
@@ -218,12 +220,12 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
           x0 = tok0 + nt * 8 <= row_pos[h] ? x0 : NaNf();
           x1 = tok0 + nt * 8 + 1 <= row_pos[h] ? x1 : NaNf();
         }
-        mrow[h] = MaxSkipNaN(mrow[h], MaxSkipNaN(x0, x1));
+        row_max[h] = MaxSkipNaN(row_max[h], MaxSkipNaN(x0, x1));
       }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float m = mrow[h];
+      float m = row_max[h];
       m = MaxSkipNaN(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = MaxSkipNaN(m, __shfl_xor_sync(0xffffffffu, m, 2));
       const int r = row0 + warp * 16 + g + 8 * h;
@@ -233,6 +235,19 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
     }
   }
   CpAsyncWait<0>();  // no copy outlives the CTA
+}
+
+// Copies spans[span] into `out` (shared memory, sizeof(SpanDesc) bytes, 16-byte aligned), one
+// word per lane in one round trip. Called by all 32 lanes of one warp; visible to the CTA after
+// a barrier. The top-k reads many fields one after another, some only after a decision on
+// others: from global memory each would be an L2 round trip of its own.
+__device__ __forceinline__ const SpanDesc& CopySpanDesc(const SpanDesc* spans, int span, unsigned char* out) {
+  static_assert(sizeof(SpanDesc) % 4 == 0 && sizeof(SpanDesc) / 4 <= 32, "one word per lane");
+  const int lane = threadIdx.x & 31;
+  if (lane < static_cast<int>(sizeof(SpanDesc) / 4)) {
+    reinterpret_cast<int32_t*>(out)[lane] = reinterpret_cast<const int32_t*>(spans + span)[lane];
+  }
+  return *reinterpret_cast<const SpanDesc*>(out);
 }
 
 // Four CTAs per multiprocessor (64 registers; the shared memory allows four at up to 4096 keys).
@@ -248,15 +263,7 @@ __global__ void __launch_bounds__(256, 4)
   const int r0 = (blockIdx.x - s.topk_group_begin) * rows_per_group;
   const int rows = s.num_tokens * s.num_heads;
   const int n = NextPow2(s.visible_blocks);
-  // Rows of 33 to 64 blocks in registers (case 1 of the prefill preset: 62.7 -> 33.8 µs on the
-  // H200); shorter rows keep the shared-memory path, whose rank selection of up to 32 keys needs
-  // no chain of dependent stages.
-  if (n > 32 && n <= 64 && s.topk <= 32) {
-    SelectShortRows(s, scores, r0, min(rows_per_group, rows - r0));
-    WritePageTables(s, r0, min(rows_per_group, rows - r0), pt);
-  } else {
-    SelectRows<false>(s, scores, r0, min(rows_per_group, rows - r0), n, keys, pt);
-  }
+  SelectRows<TopkCaller::kPrefillTopk>(s, scores, r0, min(rows_per_group, rows - r0), n, keys, pt);
 }
 
 }  // namespace indexer::kernels::cuda

@@ -1,98 +1,30 @@
-// Top-k of short rows in registers, for the decode selector's last CTA (topk.cuh's SelectRows
-// calls it): SPEC.md steps 3-4 for up to 8 rows with NextPow2(rows) * n <= 4096 (n = NextPow2(V):
-// one row of up to 4096 visible blocks, four of up to 1024, eight of up to 512) and topk <= 16.
+// Top-k strategy "rows in registers", for the decode selector's last CTA: SPEC.md steps 3-4 for
+// up to 8 rows with NextPow2(rows) * n <= 4096 (n = NextPow2(V): one row of up to 4096 visible
+// blocks, four of up to 1024, eight of up to 512) and topk <= 16 (ChooseTopk in topk_plan.h).
 //
 // A row's keys lie across the lanes of its warps as vectors of 32, one key per lane each; bitonic
 // networks of shuffles sort each vector and fold them into the warp's 32 largest, and one more
 // round through shared memory merges the row's warps. No candidate lists, and no barrier where one
-// warp holds a whole row: the H200 timeline showed the last CTA of a span of four rows of 256
-// blocks spending about 4.6 µs in the shared-memory selection this replaced, every phase of it a
-// chain of dependent loads and shuffles of one warp per row. Only rows of 16 vectors per warp
-// pass through shared memory first, as raw scores (StageScores says why).
+// warp holds a whole row: selecting these rows from shared memory is a chain of dependent loads
+// and shuffles of one warp per row. Only rows of 16 vectors per warp pass through shared memory
+// first, as raw scores (StageScores says why).
 #pragma once
 
 #include <cstdint>
 
 #include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/span_desc.h"
+#include "kernels/cuda/topk_plan.h"
+#include "kernels/cuda/warp_sort.cuh"
 
 namespace indexer::kernels::cuda {
 
-// The largest topk SelectRowsInRegisters takes, and the most key vectors (32 keys each) one warp
-// holds: NextPow2(rows) * n <= 4096 per 8 warps.
-inline constexpr int kRegisterTopK = 16;
-inline constexpr int kRegisterVectors = 16;
 // Shared memory SelectRowsInRegisters needs, in keys: 16 per warp for the warps' lists, then
 // 32 * kRegisterVectors per warp for each warp's own buffer.
 inline constexpr int kRegisterTopKSmemKeys = 8 * 16 + 8 * 32 * kRegisterVectors;
 // All the shared memory SelectRowsInRegisters needs, in bytes: those keys, then up to 4096 staged
 // scores and 4 floats of alignment (StageScores).
 inline constexpr int kRegisterTopKSmemBytes = kRegisterTopKSmemKeys * 8 + (4096 + 4) * 4;
-
-// One compare-exchange step across lanes at distance j: the lane keeps the larger key of its pair
-// when `keep_max`, else the smaller. One 64-bit comparison and one select (a max and a min and a
-// select of the two was twice the instructions, and this code is issue-bound). Called by all 32
-// lanes.
-__device__ __forceinline__ uint64_t LaneExchange(uint64_t x, int j, bool keep_max) {
-  const uint64_t other = __shfl_xor_sync(0xffffffffu, x, j);
-  return (other > x) == keep_max ? other : x;
-}
-
-// Sorts one key per lane across the warp: descending by lane (lane 0 holds the largest) when
-// `desc`, else ascending. Called by all 32 lanes.
-__device__ __forceinline__ uint64_t WarpSortLanes(uint64_t x, bool desc) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int k = 2; k <= 32; k <<= 1) {
-#pragma unroll
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      // Runs of k alternate direction so that pairs of runs form bitonic sequences; the last
-      // stage (k == 32) sorts the whole warp in the direction asked.
-      const bool run_desc = k == 32 ? desc : (lane & k) == 0;
-      x = LaneExchange(x, j, ((lane & j) == 0) == run_desc);
-    }
-  }
-  return x;
-}
-
-// Sorts a bitonic sequence of one key per lane: descending by lane when `desc`. Called by all 32
-// lanes.
-__device__ __forceinline__ uint64_t WarpMergeLanes(uint64_t x, bool desc) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int j = 16; j > 0; j >>= 1) x = LaneExchange(x, j, ((lane & j) == 0) == desc);
-  return x;
-}
-
-// Folds M sorted vectors (x[v] descending by lane for even v, ascending for odd v; M a power of
-// two) into x[0]: the 32 largest keys of all, descending by lane. The elementwise maximum of a
-// descending and an ascending vector is a bitonic sequence holding the larger half of the two, so
-// each fold is one merge. Called by all 32 lanes.
-template <int M>
-__device__ __forceinline__ void WarpFoldVectors(uint64_t (&x)[M]) {
-#pragma unroll
-  for (int s = 1; s < M; s <<= 1) {
-#pragma unroll
-    for (int v = 0; v < M; v += 2 * s) x[v] = WarpMergeLanes(max(x[v], x[v + s]), ((v / (2 * s)) & 1) == 0);
-  }
-}
-
-// How SelectRowsInRegisters lays out `rows` rows of n = NextPow2(V) keys over 8 warps: `warps`
-// warps per row, `vectors` vectors of 32 keys per warp. vectors is 0 where the path does not apply.
-struct RegisterTopKShape {
-  int warps = 1;
-  int vectors = 0;
-};
-__device__ __forceinline__ RegisterTopKShape RegisterTopKLayout(int rows, int n, int topk) {
-  RegisterTopKShape shape;
-  if (rows < 1 || rows > 8 || topk > kRegisterTopK || NextPow2(rows) * n > 32 * 8 * kRegisterVectors ||
-      blockDim.x != 256) {
-    return shape;
-  }
-  shape.warps = max(1, min(8 / NextPow2(rows), n / 32));
-  shape.vectors = max(1, n / (32 * shape.warps));
-  return shape;
-}
 
 // The final merge of a row's `warps` (2, 4 or 8) warp lists of 16 keys each (shared memory,
 // descending), by the row's first warp: pairs of lists form bitonic vectors (the second list
@@ -125,7 +57,7 @@ __device__ __forceinline__ uint64_t MergeWarpLists(const uint64_t* lists) {
 // of one vector instead of M sorts and M - 1 merges (up to 64: two vectors). More (ties, or keys
 // in few lanes) merge all M vectors in turn.
 template <int M, bool kStaged>
-__device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* row_scores, int64_t v,
+__device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* row_scores, int64_t row_visible,
                                                int warps, int warp_in_row, uint64_t* buffer) {
   const int lane = threadIdx.x & 31;
   const int visible = s.visible_blocks;
@@ -142,7 +74,7 @@ __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* r
   for (int i = 0; i < M; ++i) {
     const int b = (i * warps + warp_in_row) * 32 + lane;
     // 0 is below every real key: padding sorts last.
-    x[i] = b < v ? SelectionKey(ForcedScore(raw[i], b, v, s.init_blocks, s.local_blocks), b) : 0;
+    x[i] = b < row_visible ? SelectionKey(ForcedScore(raw[i], b, row_visible, s.init_blocks, s.local_blocks), b) : 0;
   }
   if constexpr (M >= 4) {
     uint64_t mx = x[0];
@@ -192,13 +124,13 @@ __device__ __forceinline__ uint64_t WarpRowTop(const SpanDesc& s, const float* r
 // written by other CTAs: read through L2; at most 4096 floats) into shared memory at `staged`
 // (4100 floats) and returns where the first row begins there, as an offset of 0 to 3 floats.
 // 16-byte loads, each thread's all issued before its first store. Called by every thread of the
-// CTA (256 threads, as RegisterTopKLayout requires); the caller synchronizes before reading.
+// CTA (256 threads, as ChooseTopk requires for this strategy); the caller synchronizes before
+// reading.
 //
-// Why, for rows of 16 vectors per warp only: loading them straight from L2, the last key reached
-// the warps 4.3 µs after the last CTA's counter (B=1 L=128K H=4, H200 timeline); staging the same
-// 16 KB took 1.5 µs, and the whole selection ended 0.6 to 1.5 µs sooner (docs/PERF.md, ninth
-// session). At 8 vectors per warp it ended 0.4 to 0.65 µs later, so those load directly. The
-// kernels with this path took about 0.1 µs longer at B=1 L=4K, which never takes it.
+// Why, for rows of 16 vectors per warp only: loaded straight from L2, 16 scores per lane arrive
+// one L2 latency after another, and that latency dominates the selection; staged with 16-byte
+// loads, all in flight at once, they arrive together. At 8 vectors per warp and fewer the direct
+// loads are as fast or faster (docs/PERF.md), so those rows skip the staging.
 __device__ __forceinline__ int StageScores(const SpanDesc& s, const float* scores, int row_begin, int rows,
                                            float* staged) {
   const float* src = scores + s.score_offset + int64_t{row_begin} * s.visible_blocks;
@@ -229,27 +161,27 @@ __device__ __forceinline__ int StageScores(const SpanDesc& s, const float* score
   return shift;
 }
 
-// Selects rows [row_begin, row_begin + rows) of span `s` (n = NextPow2(V), layout `shape` from
-// RegisterTopKLayout, vectors != 0) from raw scores in global memory, written by other CTAs (read
+// Selects rows [row_begin, row_begin + rows) of span `s` (n = NextPow2(V); `warps_per_row` and
+// `vectors_per_warp` from ChooseTopk) from raw scores in global memory, written by other CTAs (read
 // through L2, or staged in shared memory first), writing their block ids. `lists` is shared
 // memory of kRegisterTopKSmemBytes. Called by every thread of the CTA (256 threads).
 __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const float* scores, int row_begin,
-                                                      int rows, RegisterTopKShape shape, uint64_t* lists,
-                                                      unsigned long long* stamps) {
+                                                      int rows, int warps_per_row, int vectors_per_warp,
+                                                      uint64_t* lists, unsigned long long* stamps) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int r = warp / shape.warps;
-  const int warp_in_row = warp - r * shape.warps;
+  const int r = warp / warps_per_row;
+  const int warp_in_row = warp - r * warps_per_row;
   const bool active = r < rows;
   const int row = row_begin + min(r, rows - 1);
-  const int64_t v = (s.start_pos + row / s.num_heads) / kBlockSize + 1;
+  const int64_t row_visible = (s.start_pos + row / s.num_heads) / kBlockSize + 1;
   // A pass of several may follow another (the decode selector's passes of rows_per_pass rows)
   // whose warps still read the shared memory this one writes.
   __syncthreads();
   // Rows of 16 vectors per warp are staged in shared memory first (StageScores says why).
   float* staged = reinterpret_cast<float*>(lists + kRegisterTopKSmemKeys);
   int shift = 0;
-  if (shape.vectors == kRegisterVectors) {
+  if (vectors_per_warp == kRegisterVectors) {
     shift = StageScores(s, scores, row_begin, rows, staged);
     __syncthreads();
     Stamp(stamps, kTimelineLoaded);
@@ -261,21 +193,21 @@ __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const f
     // Two pointers, not one that may be either: the staged reads stay shared-memory loads.
     const float* global_row = scores + s.score_offset + int64_t{row_begin} * s.visible_blocks + offset;
     const float* staged_row = staged + shift + offset;
-    switch (shape.vectors) {
-      case 1: top = WarpRowTop<1, false>(s, global_row, v, shape.warps, warp_in_row, buffer); break;
-      case 2: top = WarpRowTop<2, false>(s, global_row, v, shape.warps, warp_in_row, buffer); break;
-      case 4: top = WarpRowTop<4, false>(s, global_row, v, shape.warps, warp_in_row, buffer); break;
-      case 8: top = WarpRowTop<8, false>(s, global_row, v, shape.warps, warp_in_row, buffer); break;
-      default: top = WarpRowTop<16, true>(s, staged_row, v, shape.warps, warp_in_row, buffer); break;
+    switch (vectors_per_warp) {
+      case 1: top = WarpRowTop<1, false>(s, global_row, row_visible, warps_per_row, warp_in_row, buffer); break;
+      case 2: top = WarpRowTop<2, false>(s, global_row, row_visible, warps_per_row, warp_in_row, buffer); break;
+      case 4: top = WarpRowTop<4, false>(s, global_row, row_visible, warps_per_row, warp_in_row, buffer); break;
+      case 8: top = WarpRowTop<8, false>(s, global_row, row_visible, warps_per_row, warp_in_row, buffer); break;
+      default: top = WarpRowTop<16, true>(s, staged_row, row_visible, warps_per_row, warp_in_row, buffer); break;
     }
   }
   Stamp(stamps, kTimelineThreshold);
-  if (shape.warps > 1) {
+  if (warps_per_row > 1) {
     if (active && lane < 16) lists[warp * 16 + lane] = top;
     __syncthreads();
     if (active && warp_in_row == 0) {
       const uint64_t* row_lists = lists + warp * 16;
-      switch (shape.warps) {
+      switch (warps_per_row) {
         case 2: top = MergeWarpLists<1>(row_lists); break;
         case 4: top = MergeWarpLists<2>(row_lists); break;
         default: top = MergeWarpLists<4>(row_lists); break;
@@ -283,10 +215,10 @@ __device__ __forceinline__ void SelectRowsInRegisters(const SpanDesc& s, const f
     }
   }
   Stamp(stamps, kTimelineSelected);
-  // Lanes 0 to 15 hold the row's 16 largest keys in order; past its v real keys, -1.
+  // Lanes 0 to 15 hold the row's 16 largest keys in order; past its row_visible real keys, -1.
   const int topk = s.topk;
   if (active && warp_in_row == 0 && lane < topk) {
-    s.block_ids[int64_t{row} * topk + lane] = lane < v ? SelectionKeyBlock(top) : -1;
+    s.block_ids[int64_t{row} * topk + lane] = lane < row_visible ? SelectionKeyBlock(top) : -1;
   }
 }
 

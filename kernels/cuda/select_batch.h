@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/span_desc.h"
+#include "kernels/cuda/span_plan.h"
 
 namespace indexer::kernels::cuda {
 

@@ -2,7 +2,10 @@
 #include <cmath>
 #include <cstring>
 
-#include "kernels/cuda/span_desc.h"
+#include "kernels/cuda/span_plan.h"
+
+#include "kernels/cuda/topk_plan.h"
+#include "kernels/select_types.h"
 
 namespace indexer::kernels::cuda {
 

@@ -26,6 +26,7 @@
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/select_batch.h"
 #include "kernels/cuda/span_desc.h"
+#include "kernels/cuda/span_plan.h"
 #include "kernels/select_types.h"
 
 namespace indexer::kernels::cuda {

@@ -23,7 +23,8 @@
 #include "absl/time/clock.h"
 #include "server/indexer_server.h"
 #include "server/server_options.h"
-#include "tests/server/child_process.h"
+#include "tests/testing/child_process.h"
+#include "tests/testing/server_config.h"
 
 extern char** environ;
 
@@ -108,13 +109,7 @@ class BenchBinaryTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     for (int i = 0; i < 2; ++i) {
-      server::ServerOptions o;
-      o.listen = "127.0.0.1:0";
-      o.device = "cpu";
-      o.handler_threads = 4;
-      o.drain_seconds = 1;
-      o.engine.head_dim = 64;
-      o.engine.layers = 2;
+      server::ServerOptions o = testing::LoopbackServerOptions();
       o.engine.capacity_pages = 1024;
       o.engine.cpu_threads = 1;
       o.engine.defaults = kernels::SelectParams{8, 1, 1};

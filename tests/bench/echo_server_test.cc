@@ -20,7 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/cpp/indexer_client.h"
-#include "tests/server/child_process.h"
+#include "tests/testing/child_process.h"
 
 namespace indexer::bench {
 namespace {

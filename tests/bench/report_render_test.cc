@@ -10,15 +10,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/bench/report.h"
 #include "tests/bench/sample_report.h"
+#include "tests/testing/files.h"
 
 namespace indexer::bench {
 namespace {
@@ -137,12 +136,7 @@ Image DecodePng(const std::string& data, std::string* error) {
   return img;
 }
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using testing::ReadFile;
 
 TEST(ReportRenderTest, ChromiumShowsTheCharts) {
   const std::string chromium = FindChromium();

@@ -11,18 +11,13 @@
 #include "absl/strings/str_cat.h"
 #include "server/indexer_server.h"
 #include "server/server_options.h"
+#include "tests/testing/server_config.h"
 
 namespace indexer::client {
 namespace {
 
 server::ServerOptions Options() {
-  server::ServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.device = "cpu";
-  o.handler_threads = 4;
-  o.drain_seconds = 1;
-  o.engine.head_dim = 64;
-  o.engine.layers = 2;
+  server::ServerOptions o = testing::LoopbackServerOptions();
   o.engine.capacity_pages = 256;
   o.engine.cpu_threads = 1;
   return o;

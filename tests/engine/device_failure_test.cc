@@ -17,7 +17,7 @@
 #include "engine/device_failure.h"
 #include "engine/engine.h"
 #include "tests/engine/engine_test_util.h"
-#include "tests/engine/fatal_fault_backend.h"
+#include "tests/testing/fatal_fault_backend.h"
 
 namespace indexer::testing {
 namespace {
@@ -68,7 +68,7 @@ TEST(DeviceFailure, ConcurrentFailuresAgreeOnOneCause) {
 class FailedDeviceTest : public ::testing::TestWithParam<bool> {
  protected:
   EngineConfig Config() const {
-    EngineConfig c = TestConfig();
+    EngineConfig c = SmallEngineConfig();
     c.capacity_pages = 16;
     c.cpu_threads = 1;
     c.batching.enabled = GetParam();

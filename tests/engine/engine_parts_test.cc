@@ -22,6 +22,7 @@
 #include "engine/thread_pool.h"
 #include "engine/wire_values.h"
 #include "kernels/numeric.h"
+#include "tests/testing/bf16.h"
 
 namespace indexer::engine {
 namespace {
@@ -230,12 +231,6 @@ TEST(ThreadPool, DestructionAfterManyShortLoops) {
 // ---------------------------------------------------------------------------------------------
 // DecodeRows
 
-std::string Bf16Bytes(const std::vector<uint16_t>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 2);
-}
-std::string Fp32Bytes(const std::vector<float>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-}
 float FromBits(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
@@ -244,7 +239,7 @@ float FromBits(uint32_t u) {
 
 TEST(DecodeRows, Bf16RowsArePassedThrough) {
   const std::vector<uint16_t> in = {0x3f80, 0xc000, 0x8000, 0x7f7f, 0x0001, 0x4040};
-  const std::string bytes = Bf16Bytes(in);
+  const std::string bytes = testing::Bytes(in);
   std::vector<uint16_t> out;
   int64_t rows = -1;
   ASSERT_TRUE(DecodeRows(bytes, WireDtype::kBf16, 3, "keys", &out, &rows).ok());
@@ -257,7 +252,7 @@ TEST(DecodeRows, Fp32RoundsToBf16TiesToEven) {
   // -> 0x3f81 (nearest); the largest fp32 below the bf16 overflow tie stays finite (0x7f7f).
   const std::vector<float> in = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, -2.5f,
                                  1.0f + 0x1p-7f + 0x1p-20f, FromBits(0x7f7f7fffu), -0.0f};
-  const std::string bytes = Fp32Bytes(in);
+  const std::string bytes = testing::Bytes(in);
   std::vector<uint16_t> out;
   int64_t rows = -1;
   ASSERT_TRUE(DecodeRows(bytes, WireDtype::kFp32, 2, "queries", &out, &rows).ok());
@@ -274,7 +269,7 @@ void ExpectInvalid(const absl::Status& s, const std::string& needle) {
 TEST(DecodeRows, RefusesBadDtypesAndSizesNamingTheField) {
   std::vector<uint16_t> out;
   int64_t rows = 0;
-  const std::string six_bf16 = Bf16Bytes(std::vector<uint16_t>(6, 0x3f80));
+  const std::string six_bf16 = testing::Bytes(std::vector<uint16_t>(6, 0x3f80));
   ExpectInvalid(DecodeRows(six_bf16, WireDtype::kUnspecified, 3, "my_keys", &out, &rows), "my_keys");
   ExpectInvalid(DecodeRows("", WireDtype::kBf16, 3, "my_keys", &out, &rows), "my_keys");
   // 6 bf16 values are not whole rows of 4.
@@ -283,7 +278,7 @@ TEST(DecodeRows, RefusesBadDtypesAndSizesNamingTheField) {
   ExpectInvalid(DecodeRows(six_bf16.substr(0, 11), WireDtype::kBf16, 1, "my_keys", &out, &rows),
                 "my_keys");
   // fp32: 12 bytes are 3 values, not whole rows of 2; 14 bytes are not whole values.
-  const std::string fp32 = Fp32Bytes({1.0f, 2.0f, 3.0f, 4.0f});
+  const std::string fp32 = testing::Bytes(std::vector<float>{1.0f, 2.0f, 3.0f, 4.0f});
   ExpectInvalid(DecodeRows(fp32.substr(0, 12), WireDtype::kFp32, 2, "my_q", &out, &rows), "my_q");
   ExpectInvalid(DecodeRows(fp32.substr(0, 14), WireDtype::kFp32, 1, "my_q", &out, &rows), "my_q");
   // The same 12 bytes read as bf16 are 6 values: 2 rows of 3.
@@ -297,14 +292,14 @@ TEST(DecodeRows, RefusesNonFiniteValuesNamingFieldAndPosition) {
   for (uint16_t bad : {uint16_t{0x7fc0}, uint16_t{0x7f80}, uint16_t{0xff80}, uint16_t{0xffc1}}) {
     std::vector<uint16_t> in(8, 0x3f80);
     in[6] = bad;  // row 1, column 2 of rows of 4
-    ExpectInvalid(DecodeRows(Bf16Bytes(in), WireDtype::kBf16, 4, "keys", &out, &rows), "keys[1][2]");
+    ExpectInvalid(DecodeRows(testing::Bytes(in), WireDtype::kBf16, 4, "keys", &out, &rows), "keys[1][2]");
   }
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
                     -std::numeric_limits<float>::infinity(), FLT_MAX, -3.4e38f,
                     FromBits(0x7f7f8000u)}) {
     std::vector<float> in(8, 1.0f);
     in[5] = bad;  // row 1, column 1 of rows of 4
-    ExpectInvalid(DecodeRows(Fp32Bytes(in), WireDtype::kFp32, 4, "queries", &out, &rows),
+    ExpectInvalid(DecodeRows(testing::Bytes(in), WireDtype::kFp32, 4, "queries", &out, &rows),
                   "queries[1][1]");
   }
 }

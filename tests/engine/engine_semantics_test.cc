@@ -102,7 +102,7 @@ class EngineTest : public ::testing::Test {
     }
     model_.clear();
   }
-  void SetUp() override { Init(TestConfig()); }
+  void SetUp() override { Init(SmallEngineConfig()); }
 
   int D() const { return config_.head_dim; }
   std::vector<uint16_t> Keys(int64_t n, int layers = 1) {
@@ -236,7 +236,7 @@ TEST_F(EngineTest, AppendCreatesTheSequenceThenGrowsIt) {
 }
 
 TEST_F(EngineTest, LayersHaveTheirOwnLengthsAndShareTheBlockTable) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.layers = 3;
   Init(c);
   const int64_t total = c.capacity_pages;
@@ -332,7 +332,7 @@ TEST_F(EngineTest, Fp32KeysAndQueriesAreRoundedToBf16TiesToEven) {
 }
 
 TEST_F(EngineTest, Fp8StorageSelectsLikeTheReferenceOnFp8Keys) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.key_storage = kernels::KeyStorage::kFp8E4M3;
   c.layers = 2;
   c.cpu_threads = 1;  // and the CPU backend without worker threads
@@ -373,12 +373,8 @@ TEST_F(EngineTest, NonFiniteKeysOrQueriesAreRefusedNamingTheField) {
   q[D() + 1] = 0x7fc0;
   const std::string keys = Bytes(Keys(4));
   const std::string queries = Bytes(q);
-  StepRequest s;
-  s.sequence_id = "a";
+  StepRequest s = Bf16Select("a", 0, 2, queries);
   s.append = AppendRequest{"a", 0, false, WireDtype::kBf16, keys, {}};
-  s.num_heads = 2;
-  s.query_dtype = WireDtype::kBf16;
-  s.queries = queries;
   EXPECT_STATUS(engine_->Select(s).status(), kInvalidArgument, "queries");
   s.sequence_id = "new";
   s.append->sequence_id = "new";
@@ -408,7 +404,7 @@ TEST_F(EngineTest, DtypesAndByteSizesAreChecked) {
   // All-layers keys must hold every layer of every token.
   r.dtype = WireDtype::kBf16;
   r.sequence_id = "new";
-  EngineConfig c2 = TestConfig();
+  EngineConfig c2 = SmallEngineConfig();
   c2.layers = 2;
   {
     Engine two(c2, std::make_unique<engine::CpuBackend>(c2));
@@ -437,7 +433,7 @@ TEST_F(EngineTest, DtypesAndByteSizesAreChecked) {
 }
 
 TEST_F(EngineTest, LayerHeadsTopkAndIdsOutOfRange) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.layers = 2;
   Init(c);
   AppendOk("a", 0, 50);
@@ -507,7 +503,7 @@ TEST_F(EngineTest, LayerHeadsTopkAndIdsOutOfRange) {
 }
 
 TEST_F(EngineTest, ConfiguredLimitsAreEnforcedAndApplyNothing) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.max_tokens_per_sequence = 300;
   c.max_query_tokens = 16;
   Init(c);
@@ -555,7 +551,7 @@ TEST_F(EngineTest, LargestAttentionPageIdsDoNotOverflowThePageTable) {
 }
 
 TEST_F(EngineTest, SpansMustLieInsideTheLayersLength) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.layers = 2;
   Init(c);
   AppendOk("a", 0, 10);
@@ -617,7 +613,7 @@ TEST_F(EngineTest, ForkOntoAnExistingIdIsAlreadyExistsAndChangesNothing) {
 // Pool exhaustion
 
 TEST_F(EngineTest, PoolExhaustionAppliesNothing) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.capacity_pages = 4;
   Init(c);
   AppendOk("a", 0, 300);  // 3 pages
@@ -676,7 +672,7 @@ TEST_F(EngineTest, PoolExhaustionAppliesNothing) {
 }
 
 TEST_F(EngineTest, AllLayersAppendExhaustionAppliesNothing) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.capacity_pages = 3;
   c.layers = 2;
   Init(c);
@@ -736,7 +732,7 @@ TEST_F(EngineTest, AttentionPagesFollowTheFirstAppend) {
 }
 
 TEST_F(EngineTest, AttentionPagesCountBlocksOpenedByAnyLayer) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.layers = 2;
   c.page_table = kernels::PageTableParams{3, 5};
   Init(c);
@@ -806,7 +802,7 @@ TEST_F(EngineTest, SelectWithAppendAppliesBothOrNeither) {
 }
 
 TEST_F(EngineTest, BackendFailuresUndoTheAppend) {
-  Init(TestConfig(), /*flaky=*/true);
+  Init(SmallEngineConfig(), /*flaky=*/true);
   AppendOk("a", 0, 200);
   const Snapshot before = Take({"a", "new"});
   const std::string k = Bytes(Keys(100));
@@ -850,7 +846,7 @@ TEST_F(EngineTest, BackendFailuresUndoTheAppend) {
 // A Batch step over many sequences writes every item's keys in one backend call (one device
 // round trip per wave); when that call fails, every item that wrote in it is taken back.
 TEST_F(EngineTest, AWaveWritesItsKeysInOneBackendCall) {
-  Init(TestConfig(), /*flaky=*/true);
+  Init(SmallEngineConfig(), /*flaky=*/true);
   for (const char* id : {"a", "b", "c"}) AppendOk(id, 0, 150);
   const std::string q = Bytes(Keys(1));
   std::vector<std::string> keys;
@@ -901,7 +897,7 @@ TEST_F(EngineTest, AWaveWritesItsKeysInOneBackendCall) {
 // taking it: a later item of the same call still fits. Every item reserves the bytes of an error
 // answer (LateErrorReservation); a success takes what its results need beyond that.
 TEST_F(EngineTest, AFailedStepGivesItsAnswerBytesBack) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   const int topk = 128;
   // One item's answer: 64 + 8 per layer + 4 bytes per block id (1 token x 1 head x topk).
   const int64_t answer = 64 + 8 * c.layers + 4 * topk;
@@ -936,7 +932,7 @@ TEST_F(EngineTest, AFailedStepGivesItsAnswerBytesBack) {
 // A call whose answer could exceed max_response_bytes even if every item failed is refused
 // whole, and nothing of it is applied (a good append among many items that fail their checks).
 TEST_F(EngineTest, ACallWhoseErrorsAloneWouldNotFitAppliesNothing) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.max_response_bytes = 4096;
   Init(c);
   const std::string k = Bytes(Keys(1));
@@ -955,7 +951,7 @@ TEST_F(EngineTest, ACallWhoseErrorsAloneWouldNotFitAppliesNothing) {
 // engine.h: "Every failed request leaves the engine exactly as it found it". A select whose
 // append copied a shared page and whose selection then fails must give the copy back too.
 TEST_F(EngineTest, BackendFailureAfterACopyOnWriteAppendLeavesTheEngineAsItWas) {
-  Init(TestConfig(), /*flaky=*/true);
+  Init(SmallEngineConfig(), /*flaky=*/true);
   AppendOk("a", 0, 200);
   ASSERT_TRUE(engine_->Fork("a", "b", std::nullopt).ok());
   model_["b"] = model_.at("a");
@@ -1042,7 +1038,7 @@ TEST_F(EngineTest, BatchItemsHaveTheirOwnStatusesAndApplyInOrder) {
 }
 
 TEST_F(EngineTest, BatchOverTheItemLimitIsRefusedWhole) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.max_batch_items = 2;
   Init(c);
   const std::string k = Bytes(Keys(5));
@@ -1250,7 +1246,7 @@ TEST_F(EngineTest, ReleaseFreesOnlyPagesNobodyElseReferences) {
 }
 
 TEST_F(EngineTest, CopyOnWriteCopiesEveryLayer) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.layers = 2;
   Init(c);
   const int64_t total = c.capacity_pages;

@@ -107,7 +107,7 @@ int64_t PagesNeeded(const SeqModel& m, const SequenceInfo& info, const std::map<
 class RandomRun {
  public:
   explicit RandomRun(uint64_t seed) : rng_(seed) {
-    config_ = TestConfig();
+    config_ = SmallEngineConfig();
     config_.layers = 2;
     config_.capacity_pages = 24;
     config_.max_topk = 16;
@@ -228,13 +228,7 @@ class RandomRun {
   void Append() {
     const Plan p = PlanAppend(AnyId());
     const std::string bytes = Bytes(p.keys);
-    AppendRequest r;
-    r.sequence_id = p.id;
-    r.layer = p.layer_begin;
-    r.all_layers = p.all_layers;
-    r.dtype = WireDtype::kBf16;
-    r.keys = bytes;
-    r.attention_pages = p.attn;
+    const AppendRequest r = Bf16Append(p.id, p.layer_begin, bytes, p.all_layers, p.attn);
     const int64_t free = engine_->Stats().free_pages;
     absl::StatusOr<StepResult> got = engine_->Append(r);
     if (p.pages > free) {
@@ -483,7 +477,7 @@ TEST(EngineStress, ConcurrentClientsStayCorrectAndAccountingIsExact) {
   const uint64_t seed = TestSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed << " (replay: INDEXER_TEST_SEED=" << seed
                                     << ")");
-  EngineConfig config = TestConfig();
+  EngineConfig config = SmallEngineConfig();
   config.capacity_pages = 4096;
   config.cpu_threads = 2;
   config.defaults = kernels::SelectParams{8, 1, 1};
@@ -562,12 +556,8 @@ TEST(EngineStress, ConcurrentClientsStayCorrectAndAccountingIsExact) {
           const std::string kb = Bytes(SameKeys(same, n));
           const std::vector<uint16_t> q = RandomBf16(rng, static_cast<size_t>(2) * d);
           const std::string qb = Bytes(q);
-          StepRequest s;
-          s.sequence_id = "hot";
+          StepRequest s = Bf16Select("hot", 0, 2, qb);
           s.append = AppendRequest{"", 0, false, WireDtype::kBf16, kb, {}};
-          s.num_heads = 2;
-          s.query_dtype = WireDtype::kBf16;
-          s.queries = qb;
           absl::StatusOr<StepResult> r = engine->Select(s);
           ASSERT_TRUE(r.ok()) << r.status();
           hot_appended += n;

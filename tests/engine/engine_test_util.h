@@ -1,6 +1,7 @@
-// Helpers for the engine tests: building an Engine on a CpuBackend, packing keys and queries as
-// wire bytes, and a model of each sequence (the keys the test appended) from which the expected
-// selection is computed with kernels::SelectSpan on a host key pool of the test's own.
+// Helpers for the engine tests: building an Engine on a CpuBackend, requests from bf16 keys and
+// queries (tests/testing/bf16.h), and a model of each sequence (the keys the test appended) from
+// which the expected selection is computed with kernels::SelectSpan on a host key pool of the
+// test's own.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +22,10 @@
 #include "engine/cpu_backend.h"
 #include "engine/engine.h"
 #include "kernels/numeric.h"
-#include "tests/kernels/host_key_pool.h"
+#include "tests/testing/bf16.h"
+#include "tests/testing/engine_config.h"
+#include "tests/testing/engine_requests.h"
+#include "tests/testing/host_key_pool.h"
 
 namespace indexer::testing {
 
@@ -32,37 +36,9 @@ using engine::StepRequest;
 using engine::StepResult;
 using engine::WireDtype;
 
-// A small configuration for tests: head_dim 64, one layer, 64 pages, 2 CPU threads.
-inline EngineConfig TestConfig() {
-  EngineConfig c;
-  c.head_dim = 64;
-  c.layers = 1;
-  c.capacity_pages = 64;
-  c.max_index_heads = 4;
-  c.max_topk = 32;
-  c.defaults = kernels::SelectParams{8, 0, 1};
-  c.cpu_threads = 2;
-  return c;
-}
-
 inline std::unique_ptr<Engine> MakeEngine(const EngineConfig& config) {
   EXPECT_TRUE(config.Validate().ok()) << config.Validate();
   return std::make_unique<Engine>(config, std::make_unique<engine::CpuBackend>(config));
-}
-
-inline std::string Bytes(const std::vector<uint16_t>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 2);
-}
-inline std::string Bytes(const std::vector<float>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-}
-
-// Random bf16 values, normal(0, 1): ties between block scores are then practically impossible.
-inline std::vector<uint16_t> RandomBf16(std::mt19937_64& rng, size_t count) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<uint16_t> v(count);
-  for (auto& x : v) x = kernels::FloatToBf16(normal(rng));
-  return v;
 }
 
 // What a test appended to one sequence.
@@ -115,6 +91,11 @@ inline SpanResult ExpectedSelect(const EngineConfig& config, const SeqModel& m, 
                        config.page_table);
 }
 
+// Whether `needle` occurs in `haystack` (error messages name what they refuse).
+inline bool Contains(absl::string_view haystack, absl::string_view needle) {
+  return haystack.find(needle) != absl::string_view::npos;
+}
+
 inline void ExpectSameSelection(const StepResult& got, const SpanResult& want) {
   EXPECT_EQ(got.block_ids, want.block_ids);
   EXPECT_EQ(got.page_table, want.page_table);
@@ -128,14 +109,7 @@ inline absl::StatusOr<StepResult> AppendKeys(Engine& e, absl::string_view id, in
                                              bool all_layers = false,
                                              const engine::CallControl& control = {}) {
   const std::string bytes = Bytes(keys);
-  AppendRequest r;
-  r.sequence_id = id;
-  r.layer = layer;
-  r.all_layers = all_layers;
-  r.dtype = WireDtype::kBf16;
-  r.keys = bytes;
-  r.attention_pages = attn;
-  return e.Append(r, control);
+  return e.Append(Bf16Append(id, layer, bytes, all_layers, attn), control);
 }
 
 struct SelectArgs {
@@ -150,13 +124,8 @@ inline absl::StatusOr<StepResult> SelectQueries(Engine& e, absl::string_view id,
                                                 const SelectArgs& a,
                                                 const engine::CallControl& control = {}) {
   const std::string bytes = Bytes(queries);
-  StepRequest r;
-  r.sequence_id = id;
-  r.layer = a.layer;
+  StepRequest r = Bf16Select(id, a.layer, a.heads, bytes);
   r.start_position = a.start;
-  r.num_heads = a.heads;
-  r.query_dtype = WireDtype::kBf16;
-  r.queries = bytes;
   r.topk = a.topk;
   r.init_blocks = a.init_blocks;
   r.local_blocks = a.local_blocks;

@@ -30,12 +30,8 @@ using engine::DeviceChoice;
 using engine::PagePool;
 using engine::SequenceInfo;
 
-bool Contains(absl::string_view haystack, absl::string_view needle) {
-  return haystack.find(needle) != absl::string_view::npos;
-}
-
 EngineConfig SmallConfig(int64_t pages_per_device = 16) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.capacity_pages = pages_per_device;
   c.cpu_threads = 1;
   return c;

@@ -52,13 +52,9 @@ SelectTicket SubmitTasks(SelectBatcher& batcher, std::span<const SelectTask> tas
   return ticket;
 }
 
-bool Contains(absl::string_view haystack, absl::string_view needle) {
-  return haystack.find(needle) != absl::string_view::npos;
-}
-
 EngineConfig BatchConfig(int max_tasks = 256, int64_t max_delay_us = 0, int64_t queue_bound = 8192,
                          int max_inflight = 1) {
-  EngineConfig c = TestConfig();
+  EngineConfig c = SmallEngineConfig();
   c.batching.enabled = true;
   c.batching.max_tasks = max_tasks;
   c.batching.max_delay_us = max_delay_us;

@@ -56,7 +56,7 @@
 #include "server/access_control.h"
 #include "server/indexer_service.h"
 #include "server/request_executor.h"
-#include "tests/fuzz/service_call.h"
+#include "tests/testing/service_call.h"
 
 namespace indexer::fuzz {
 namespace {

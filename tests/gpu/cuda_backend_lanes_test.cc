@@ -28,6 +28,7 @@
 #include "engine/key_cache_backend.h"
 #include "kernels/numeric.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/testing/gpu_test.h"
 
 namespace indexer::testing {
 namespace {
@@ -176,16 +177,8 @@ CudaBackendCounters Counters(const KeyCacheBackend& backend) {
   return c.value_or(CudaBackendCounters{});
 }
 
-class CudaLanesTest : public ::testing::Test {
+class CudaLanesTest : public GpuTest {
  protected:
-  void SetUp() override {
-    const absl::Status gpu = engine::CudaDeviceAvailable();
-    if (!gpu.ok()) GTEST_SKIP() << "GPU tests skipped: no usable CUDA device (" << gpu.message() << ")";
-    seed_ = std::random_device{}();
-    rng_.seed(seed_);
-    RecordProperty("seed", std::to_string(seed_));
-  }
-
   SpanCase RandomSpan(int64_t max_len, int max_n, int max_rows) {
     return ::indexer::testing::RandomSpan(rng_, max_len, max_n, max_rows);
   }
@@ -307,9 +300,6 @@ class CudaLanesTest : public ::testing::Test {
     EXPECT_EQ(n.graph_fallbacks, 0);
     EXPECT_EQ(n.graph_launches, graphs ? n.selects : 0);
   }
-
-  uint64_t seed_ = 0;
-  std::mt19937_64 rng_;
 };
 
 TEST(CudaBackendOptionsTest, EnvironmentValues) {

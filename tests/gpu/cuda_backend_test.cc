@@ -13,29 +13,21 @@
 #include "engine/cuda/cuda_backend.h"
 #include "engine/engine.h"
 #include "kernels/numeric.h"
+#include "tests/testing/bf16.h"
+#include "tests/testing/gpu_test.h"
 
 namespace indexer::engine {
 namespace {
 
-std::string Bf16Bytes(const std::vector<uint16_t>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 2);
-}
+using testing::Bytes;
+using testing::IntegerBf16;
 
-std::vector<uint16_t> IntegerValues(size_t n, std::mt19937_64& rng) {
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = kernels::FloatToBf16(static_cast<float>(static_cast<int>(rng() % 9) - 4));
-  return v;
-}
-
-class CudaBackendTest : public ::testing::TestWithParam<kernels::KeyStorage> {
+class CudaBackendTest : public testing::GpuTestWithParam<kernels::KeyStorage> {
  protected:
   void SetUp() override {
-    const absl::Status gpu = CudaDeviceAvailable();
-    if (!gpu.ok()) GTEST_SKIP() << "GPU tests skipped: no usable CUDA device (" << gpu.message() << ")";
-    config_.head_dim = 128;
-    config_.layers = 3;
-    config_.key_storage = GetParam();
-    config_.capacity_pages = 4096;
+    testing::GpuTestWithParam<kernels::KeyStorage>::SetUp();
+    if (IsSkipped()) return;
+    config_ = testing::GpuEngineConfig(GetParam(), 4096);
     config_.max_index_heads = 16;
     ASSERT_TRUE(config_.Validate().ok());
     cpu_ = std::make_unique<Engine>(config_, std::make_unique<CpuBackend>(config_));
@@ -49,9 +41,8 @@ class CudaBackendTest : public ::testing::TestWithParam<kernels::KeyStorage> {
 };
 
 TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 rng(seed);
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  std::mt19937_64& rng = rng_;
   const int d = config_.head_dim;
   std::vector<std::string> live;
   int next_id = 0;
@@ -66,7 +57,7 @@ TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
       a.layer = static_cast<int64_t>(rng() % config_.layers);
       a.dtype = WireDtype::kBf16;
       const int64_t n = 1 + static_cast<int64_t>(rng() % 700);
-      const std::string keys = Bf16Bytes(IntegerValues(n * (a.all_layers ? config_.layers : 1) * d, rng));
+      const std::string keys = Bytes(IntegerBf16(rng, n * (a.all_layers ? config_.layers : 1) * d, -4, 4));
       a.keys = keys;
       auto c = cpu_->Append(a);
       auto g = gpu_->Append(a);
@@ -111,7 +102,7 @@ TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
                                   : 1 + static_cast<int64_t>(rng() % std::min<int64_t>(len, 4));
         s.num_heads = 1 + static_cast<int64_t>(rng() % 4);
         s.query_dtype = WireDtype::kBf16;
-        queries.push_back(Bf16Bytes(IntegerValues(n * s.num_heads * d, rng)));
+        queries.push_back(Bytes(IntegerBf16(rng, n * s.num_heads * d, -4, 4)));
         s.queries = queries.back();
         s.topk = 1 + static_cast<int64_t>(rng() % 32);
         s.init_blocks = static_cast<int64_t>(rng() % 2);
@@ -122,7 +113,7 @@ TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
           a.layer = s.layer;
           a.dtype = WireDtype::kBf16;
           const int64_t t = 1 + static_cast<int64_t>(rng() % 3);
-          appended.push_back(Bf16Bytes(IntegerValues(t * (a.all_layers ? config_.layers : 1) * d, rng)));
+          appended.push_back(Bytes(IntegerBf16(rng, t * (a.all_layers ? config_.layers : 1) * d, -4, 4)));
           a.keys = appended.back();
           s.append = a;
         }

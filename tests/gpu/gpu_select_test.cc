@@ -15,6 +15,7 @@
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/select_batch.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/testing/gpu_test.h"
 
 namespace indexer::testing {
 namespace {
@@ -30,16 +31,8 @@ enum class Path { kAuto, kPrefillOnly, kExactOnly };
     ASSERT_EQ(cudaSuccess, err_) << #expr << ": " << cudaGetErrorString(err_); \
   } while (0)
 
-class GpuSelectTest : public ::testing::Test {
+class GpuSelectTest : public GpuTest {
  protected:
-  void SetUp() override {
-    const absl::Status gpu = engine::CudaDeviceAvailable();
-    if (!gpu.ok()) GTEST_SKIP() << "GPU tests skipped: no usable CUDA device (" << gpu.message() << ")";
-    seed_ = std::random_device{}();
-    rng_.seed(seed_);
-    RecordProperty("seed", std::to_string(seed_));
-  }
-
   // Uploads the case, runs it like the CUDA backend does (decode-shaped spans through the fused
   // decode selector, the rest through prefill; or everything through prefill), `repeats` times
   // with poisoned outputs, and checks every span every time.
@@ -157,9 +150,6 @@ class GpuSelectTest : public ::testing::Test {
   SpanCase RandomSpan(int64_t max_len, int max_n, int max_rows) {
     return ::indexer::testing::RandomSpan(rng_, max_len, max_n, max_rows);
   }
-
-  uint64_t seed_ = 0;
-  std::mt19937_64 rng_;
 };
 
 TEST_F(GpuSelectTest, SmallBoundaryLengthsEveryFormat) {

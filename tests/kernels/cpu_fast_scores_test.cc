@@ -14,7 +14,7 @@
 #include "kernels/cpu_fast_scores.h"
 #include "kernels/cpu_reference.h"
 #include "kernels/numeric.h"
-#include "tests/kernels/host_key_pool.h"
+#include "tests/testing/host_key_pool.h"
 
 namespace indexer::kernels {
 namespace {

@@ -22,8 +22,8 @@
 #include "kernels/cpu_reference.h"
 #include "kernels/numeric.h"
 #include "kernels/select_types.h"
-#include "tests/kernels/host_key_pool.h"
 #include "tests/kernels/naive_reference.h"
+#include "tests/testing/host_key_pool.h"
 
 namespace indexer::kernels {
 namespace {

@@ -1,4 +1,4 @@
-// The CUDA selectors' launch planners (kernels/cuda/span_desc.h), plain C++: every visible block
+// The CUDA selectors' launch planners (kernels/cuda/span_plan.h), plain C++: every visible block
 // of every span belongs to exactly one decode work unit, units stay within the cap, a long span
 // spreads over the GPU next to short ones, and the decode index holds what the plan says. Runs
 // without a GPU.
@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/cuda/span_desc.h"
+#include "kernels/cuda/span_plan.h"
 
 namespace indexer::testing {
 namespace {
@@ -16,9 +16,7 @@ namespace {
 using kernels::KeyStorage;
 using kernels::cuda::DecodeChunkBlocks;
 using kernels::cuda::DecodePlan;
-using kernels::cuda::NextPow2;
 using kernels::cuda::PlanDecode;
-using kernels::cuda::RowDivider;
 using kernels::cuda::SpanDesc;
 
 TEST(DecodeChunkBlocksTest, HalfAMegabyteOfKeysPerCta) {
@@ -27,37 +25,6 @@ TEST(DecodeChunkBlocksTest, HalfAMegabyteOfKeysPerCta) {
   EXPECT_EQ(32, DecodeChunkBlocks(64, KeyStorage::kBf16));
   EXPECT_EQ(8, DecodeChunkBlocks(256, KeyStorage::kBf16));
   EXPECT_EQ(64, DecodeChunkBlocks(64, KeyStorage::kFp8E4M3));
-}
-
-// The top-k's division of row indices by the head count: exact against the hardware division,
-// for every row below 2^16 at small divisors, at the edges of the range and on random pairs.
-TEST(RowDividerTest, MatchesIntegerDivision) {
-  for (int d = 1; d <= 64; ++d) {
-    const RowDivider div(d);
-    for (int x = 0; x < (1 << 16); ++x) ASSERT_EQ(x / d, div(x)) << x << " / " << d;
-    for (int x : {0x7fffffff, 0x7ffffffe, 0x40000000, 0x3fffffff}) ASSERT_EQ(x / d, div(x)) << x << " / " << d;
-  }
-  std::mt19937 rng(11);
-  for (int i = 0; i < 1000000; ++i) {
-    const int d = static_cast<int>(rng() % 0x7fffffffu) + 1;
-    const int x = static_cast<int>(rng() % 0x80000000u);
-    const RowDivider div(d);
-    ASSERT_EQ(x / d, div(x)) << x << " / " << d;
-  }
-}
-
-// NextPow2 (one count of leading zeros, the formula the device runs too) against a loop of
-// doublings, over every value below 2^20 and the top of its range.
-TEST(NextPow2Test, MatchesDoubling) {
-  const auto doubling = [](int32_t v) {
-    int32_t p = 1;
-    while (p < v) p <<= 1;
-    return p;
-  };
-  for (int32_t v = -3; v < (1 << 20); ++v) ASSERT_EQ(doubling(v), NextPow2(v)) << v;
-  for (int32_t v : {(1 << 29) - 1, 1 << 29, (1 << 29) + 1, (1 << 30) - 1, 1 << 30}) {
-    ASSERT_EQ(doubling(v), NextPow2(v)) << v;
-  }
 }
 
 // Checks the plan's invariants for `spans` (already planned).

@@ -3,12 +3,8 @@
 // with identical selections (integer keys: sums are exact, so backends agree exactly).
 // Skips, with a message, where no GPU is usable.
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
-#include <filesystem>
-#include <fstream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -16,53 +12,26 @@
 #include "engine/cuda/cuda_backend.h"
 #include "engine/engine.h"
 #include "kernels/numeric.h"
+#include "tests/testing/bf16.h"
+#include "tests/testing/engine_requests.h"
+#include "tests/testing/files.h"
+#include "tests/testing/gpu_test.h"
 
 namespace indexer::engine {
 namespace {
 
-// A fresh folder under /tmp, removed at destruction.
-class TempDir {
- public:
-  TempDir() {
-    char pattern[] = "/tmp/indexer-gpu-snap-XXXXXX";
-    path_ = mkdtemp(pattern) != nullptr ? pattern : "/tmp";
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  std::string File(const std::string& name) const { return path_ + "/" + name; }
+using testing::ReadFile;
+using testing::TempDir;
 
- private:
-  std::string path_;
-};
+// Integer keys and queries in [-6, 6]: sums are exact, so the backends must agree exactly.
+std::string IntegerKeys(std::mt19937_64& rng, size_t n) { return testing::Bytes(testing::IntegerBf16(rng, n, -6, 6)); }
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-std::string IntegerKeys(std::mt19937_64& rng, size_t n) {
-  std::string out(n * 2, '\0');
-  for (size_t i = 0; i < n; ++i) {
-    const uint16_t b = kernels::FloatToBf16(static_cast<float>(static_cast<int>(rng() % 13) - 6));
-    out[2 * i] = static_cast<char>(b & 0xFF);
-    out[2 * i + 1] = static_cast<char>(b >> 8);
-  }
-  return out;
-}
-
-class GpuSnapshotTest : public ::testing::TestWithParam<kernels::KeyStorage> {
+class GpuSnapshotTest : public testing::GpuTestWithParam<kernels::KeyStorage> {
  protected:
   void SetUp() override {
-    const absl::Status gpu = CudaDeviceAvailable();
-    if (!gpu.ok()) GTEST_SKIP() << "GPU tests skipped: no usable CUDA device (" << gpu.message() << ")";
-    config_.head_dim = 128;
-    config_.layers = 3;
-    config_.key_storage = GetParam();
-    config_.capacity_pages = 256;
+    testing::GpuTestWithParam<kernels::KeyStorage>::SetUp();
+    if (IsSkipped()) return;
+    config_ = testing::GpuEngineConfig(GetParam(), 256);
     ASSERT_TRUE(config_.Validate().ok());
   }
 
@@ -109,13 +78,8 @@ class GpuSnapshotTest : public ::testing::TestWithParam<kernels::KeyStorage> {
           if (info->lengths[layer] < 8) continue;
           for (int n : {1, 8}) {
             const std::string q = IntegerKeys(rng, static_cast<size_t>(n) * 4 * config_.head_dim);
-            StepRequest s;
+            StepRequest s = testing::Bf16Select(id, layer, 4, q);
             s.tenant = tenant;
-            s.sequence_id = id;
-            s.layer = layer;
-            s.num_heads = 4;
-            s.query_dtype = WireDtype::kBf16;
-            s.queries = q;
             s.init_blocks = 1;
             absl::StatusOr<StepResult> r = e.Select(s);
             EXPECT_TRUE(r.ok()) << r.status();

@@ -13,21 +13,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "tests/server/server_fixture.h"
+#include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
-
-TempDir::TempDir() {
-  const char* base = std::getenv("TMPDIR");
-  std::string pattern = absl::StrCat(base != nullptr && *base ? base : "/tmp", "/indexer-sec-XXXXXX");
-  if (mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
-  path_ = pattern;
-}
-
-TempDir::~TempDir() {
-  std::error_code ignored;
-  std::filesystem::remove_all(path_, ignored);
-}
 
 void WriteFile(const std::string& path, const std::string& contents, int mode) {
   {
@@ -219,27 +207,6 @@ void ExpectSameSequences(const std::vector<v1::GetSequenceResponse>& before,
     EXPECT_EQ(now[i].pages_size(), before[i].pages_size());
     EXPECT_EQ(now[i].shared_pages(), before[i].shared_pages()) << "page sharing was not restored";
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Child processes.
-
-std::unique_ptr<Child> StartServerBinary(const std::vector<std::string>& flags, int* port) {
-  const char* binary = std::getenv("INDEXER_SERVER_BINARY");
-  if (binary == nullptr) {
-    ADD_FAILURE() << "INDEXER_SERVER_BINARY is not set (run through ctest)";
-    return nullptr;
-  }
-  std::vector<std::string> argv = {binary, "--listen=127.0.0.1:0", "--device=cpu"};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  auto child = std::make_unique<Child>(argv);
-  const std::optional<int> serving = WaitForServingPort(*child, absl::Seconds(20));
-  if (!serving.has_value()) {
-    ADD_FAILURE() << "indexer-server did not start; its output:\n" << child->Log();
-    return nullptr;
-  }
-  *port = *serving;
-  return child;
 }
 
 }  // namespace indexer::testing

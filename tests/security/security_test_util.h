@@ -1,7 +1,6 @@
-// Support for the security tests: temporary folders, test certificates made with the openssl
-// tool (make_test_certs.sh), token files, in-process servers with security options, clients
-// with TLS and tokens, a workload that exercises every kind of state a snapshot must keep, and
-// the real indexer-server as a child process (tests/server/child_process.h).
+// Support for the security tests: test certificates made with the openssl tool
+// (make_test_certs.sh), token files, in-process servers with security options, clients with TLS
+// and tokens, and a workload that exercises every kind of state a snapshot must keep.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -18,23 +17,10 @@
 #include "client/cpp/indexer_client.h"
 #include "server/indexer_server.h"
 #include "server/server_options.h"
-#include "tests/server/child_process.h"
+#include "tests/testing/child_process.h"
+#include "tests/testing/files.h"
 
 namespace indexer::testing {
-
-// A fresh folder under $TMPDIR (or /tmp), removed with everything in it at destruction.
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-  std::string File(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 void WriteFile(const std::string& path, const std::string& contents, int mode = 0600);
 bool FileExists(const std::string& path);
@@ -95,9 +81,5 @@ void ExpectSameSequences(const std::vector<v1::GetSequenceResponse>& before,
 std::vector<v1::GetSequenceResponse> Describe(client::IndexerClient& c,
                                               const std::vector<std::string>& ids);
 
-
-// Starts indexer-server ($INDEXER_SERVER_BINARY) on a loopback port it picks, with `flags`, and
-// waits for its "serving on port" line; nullptr (and a test failure) when it does not start.
-std::unique_ptr<Child> StartServerBinary(const std::vector<std::string>& flags, int* port);
 
 }  // namespace indexer::testing

@@ -19,6 +19,9 @@
 #include "engine/engine.h"
 #include "kernels/numeric.h"
 #include "tests/security/security_test_util.h"
+#include "tests/testing/bf16.h"
+#include "tests/testing/engine_config.h"
+#include "tests/testing/engine_requests.h"
 
 namespace indexer::testing {
 namespace {
@@ -31,16 +34,11 @@ using engine::WireDtype;
 using ::testing::HasSubstr;
 
 EngineConfig SmallConfig(kernels::KeyStorage storage = kernels::KeyStorage::kBf16) {
-  EngineConfig c;
-  c.head_dim = 64;
-  c.layers = 2;
+  EngineConfig c = TwoLayerEngineConfig();
   c.key_storage = storage;
   c.capacity_pages = 48;
-  c.max_index_heads = 4;
   c.max_topk = 16;
   c.defaults = kernels::SelectParams{6, 0, 1};
-  c.page_table = kernels::PageTableParams{4, 8};
-  c.max_tokens_per_sequence = 4096;
   c.cpu_threads = 1;
   return c;
 }
@@ -49,16 +47,8 @@ std::unique_ptr<Engine> MakeEngine(const EngineConfig& c) {
   return std::make_unique<Engine>(c, std::make_unique<engine::CpuBackend>(c));
 }
 
-std::string Bf16Bytes(std::mt19937& rng, size_t n) {
-  std::normal_distribution<float> dist(0.0f, 3.0f);
-  std::string out(n * 2, '\0');
-  for (size_t i = 0; i < n; ++i) {
-    const uint16_t b = kernels::FloatToBf16(dist(rng));
-    out[2 * i] = static_cast<char>(b & 0xFF);
-    out[2 * i + 1] = static_cast<char>(b >> 8);
-  }
-  return out;
-}
+// Real-valued keys and queries, normal(0, 3) (so that fp8 rounding matters).
+std::string Bf16Bytes(std::mt19937& rng, size_t n) { return Bytes(RandomBf16(rng, n, 3.0f)); }
 
 void Append(Engine& e, const std::string& tenant, const std::string& id, int64_t layer, bool all,
             int tokens, std::mt19937& rng, std::vector<int32_t> attn = {}) {
@@ -107,13 +97,8 @@ std::vector<Answer> Answers(Engine& e, const std::string& only = "") {
       for (int n : {1, 4}) {
         if (info->lengths[layer] < n) continue;
         const std::string q = Bf16Bytes(rng, size_t(n) * 2 * e.config().head_dim);
-        StepRequest s;
+        StepRequest s = Bf16Select(id, layer, 2, q);
         s.tenant = tenant;
-        s.sequence_id = id;
-        s.layer = layer;
-        s.num_heads = 2;
-        s.query_dtype = WireDtype::kBf16;
-        s.queries = q;
         s.init_blocks = 1;
         absl::StatusOr<engine::StepResult> r = e.Select(s);
         EXPECT_TRUE(r.ok()) << r.status();

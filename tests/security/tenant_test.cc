@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/security/security_test_util.h"
-#include "tests/server/server_fixture.h"
+#include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
 namespace {

@@ -17,7 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/cpp/indexer_client.h"
-#include "tests/server/child_process.h"
+#include "tests/testing/child_process.h"
 
 namespace indexer::client {
 namespace {
@@ -32,6 +32,7 @@ std::string BinaryPath(const char* variable) {
 using ::indexer::testing::Child;
 using ::indexer::testing::RunResult;
 using ::indexer::testing::RunToEnd;
+using ::indexer::testing::StartServerBinary;
 using ::indexer::testing::WaitForServingPort;
 
 class BinaryTest : public ::testing::Test {
@@ -40,21 +41,6 @@ class BinaryTest : public ::testing::Test {
     server_ = BinaryPath("INDEXER_SERVER_BINARY");
     cli_ = BinaryPath("INDEXER_CLI_BINARY");
     if (server_.empty()) GTEST_SKIP() << "INDEXER_SERVER_BINARY is not set (run through ctest)";
-  }
-
-  // Starts indexer-server on a free loopback port (it picks one: --listen=127.0.0.1:0, and the
-  // test reads the port from its startup line) and waits until health says SERVING.
-  std::unique_ptr<Child> StartServer(std::vector<std::string> flags, int* port) {
-    std::vector<std::string> argv = {server_, "--listen=127.0.0.1:0", "--device=cpu"};
-    argv.insert(argv.end(), flags.begin(), flags.end());
-    auto child = std::make_unique<Child>(argv);
-    const std::optional<int> serving = WaitForServingPort(*child, absl::Seconds(20));
-    if (!serving.has_value()) {
-      ADD_FAILURE() << "indexer-server did not start; its output:\n" << child->Log();
-      return nullptr;
-    }
-    *port = *serving;
-    return child;
   }
 
   std::string server_, cli_;
@@ -87,7 +73,7 @@ TEST_F(BinaryTest, UnparsableFlagsExitNonZeroNamingTheFlag) {
 TEST_F(BinaryTest, SigtermDrainsInFlightCallsAndExitsZero) {
   int port = 0;
   std::unique_ptr<Child> server =
-      StartServer({"--capacity=512", "--drain_seconds=20", "--cpu_threads=1", "--handler_threads=4"}, &port);
+      StartServerBinary({"--capacity=512", "--drain_seconds=20", "--cpu_threads=1", "--handler_threads=4"}, &port);
   ASSERT_NE(server, nullptr);
   absl::StatusOr<std::unique_ptr<IndexerClient>> client =
       IndexerClient::Connect(absl::StrCat("127.0.0.1:", port));
@@ -162,7 +148,7 @@ TEST_F(BinaryTest, SigtermDrainsInFlightCallsAndExitsZero) {
 TEST_F(BinaryTest, CliTalksToTheServer) {
   if (cli_.empty()) GTEST_SKIP() << "INDEXER_CLI_BINARY is not set";
   int port = 0;
-  std::unique_ptr<Child> server = StartServer({"--capacity=256", "--head_dim=64"}, &port);
+  std::unique_ptr<Child> server = StartServerBinary({"--capacity=256", "--head_dim=64"}, &port);
   ASSERT_NE(server, nullptr);
   const std::string env = absl::StrCat("INDEXER_SERVER=127.0.0.1:", port);
   struct Case {

@@ -17,8 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "engine/cpu_backend.h"
-#include "tests/engine/fatal_fault_backend.h"
-#include "tests/server/server_fixture.h"
+#include "tests/testing/fatal_fault_backend.h"
+#include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
 namespace {

@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "tests/server/server_fixture.h"
+#include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
 namespace {

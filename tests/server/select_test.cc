@@ -4,7 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "tests/server/server_fixture.h"
+#include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
 namespace {

@@ -1,7 +1,7 @@
 // ReleaseSequence, TruncateSequence, ForkSequence and GetSequence end to end, including
 // ALREADY_EXISTS / NOT_FOUND, page accounting and copy-on-write seen through selections.
 #include "absl/strings/str_cat.h"
-#include "tests/server/server_fixture.h"
+#include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
 namespace {

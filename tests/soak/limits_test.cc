@@ -1,4 +1,4 @@
-// Limits and bad input, end to end against an in-process server (tests/server/server_fixture.h):
+// Limits and bad input, end to end against an in-process server (tests/testing/server_fixture.h):
 //  - pool exhaustion answers RESOURCE_EXHAUSTED for whatever needs a page (append, a decode
 //    step's append, a Batch item, a write into a page shared with a fork, a new sequence) and
 //    harms no other sequence or item; releasing makes room again;
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "tests/server/server_fixture.h"
+#include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
 namespace {

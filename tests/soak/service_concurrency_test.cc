@@ -1,4 +1,4 @@
-// Many threads calling IndexerService's handlers at once, in-process (tests/fuzz/service_call.h):
+// Many threads calling IndexerService's handlers at once, in-process (tests/testing/service_call.h):
 // the server's own translation, authentication, handler threads (RequestExecutor), metrics and
 // engine, without gRPC's transport. Threads contend on shared sequences (appends, selections,
 // Batch items naming one sequence twice, forks from them) and churn sequences of their own
@@ -27,8 +27,9 @@
 #include "server/indexer_service.h"
 #include "server/metrics.h"
 #include "server/request_executor.h"
-#include "tests/fuzz/service_call.h"
-#include "tests/server/server_fixture.h"
+#include "tests/testing/engine_config.h"
+#include "tests/testing/server_fixture.h"
+#include "tests/testing/service_call.h"
 
 namespace indexer::testing {
 namespace {
@@ -40,17 +41,14 @@ constexpr int kShared = 3;
 constexpr int kHeadDim = 64;
 
 engine::EngineConfig Config() {
-  engine::EngineConfig c;
-  c.head_dim = kHeadDim;
+  engine::EngineConfig c = SmallEngineConfig();  // head_dim 64: kHeadDim
   c.layers = 2;
   c.capacity_pages = 96;
-  c.max_index_heads = 4;
   c.max_topk = 16;
   c.defaults = kernels::SelectParams{8, 1, 1};
   c.max_tokens_per_sequence = 2048;
   c.max_batch_items = 16;
   c.max_sequences = 40;
-  c.cpu_threads = 2;
   return c;
 }
 

@@ -25,8 +25,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/cpp/indexer_client.h"
-#include "tests/security/security_test_util.h"
-#include "tests/server/server_fixture.h"
+#include "tests/testing/child_process.h"
+#include "tests/testing/files.h"
+#include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
 namespace {

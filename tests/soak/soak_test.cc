@@ -41,8 +41,8 @@
 #include "absl/time/clock.h"
 #include "client/cpp/indexer_client.h"
 #include "kernels/numeric.h"
-#include "tests/security/security_test_util.h"
-#include "tests/server/server_fixture.h"
+#include "tests/testing/child_process.h"
+#include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
 namespace {

@@ -21,6 +21,7 @@
 #include "kernels/select_types.h"
 #include "server/indexer_server.h"
 #include "server/server_options.h"
+#include "tests/testing/server_config.h"
 
 namespace indexer::testing {
 
@@ -28,9 +29,6 @@ namespace v1 = indexer::v1;
 using client::CallOptions;
 using client::IndexerClient;
 using client::Selection;
-
-// Server options for tests: cpu, small pool, head_dim 64, 2 layers, small limits.
-server::ServerOptions SmallServerOptions();
 
 // Uniform integers in [lo, hi] as floats.
 std::vector<float> IntValues(std::mt19937& rng, size_t n, int lo = -4, int hi = 4);

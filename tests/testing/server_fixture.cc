@@ -1,4 +1,4 @@
-#include "tests/server/server_fixture.h"
+#include "tests/testing/server_fixture.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -6,35 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <numeric>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu_reference.h"
 #include "kernels/numeric.h"
+#include "tests/testing/host_key_pool.h"
 
 namespace indexer::testing {
-
-server::ServerOptions SmallServerOptions() {
-  server::ServerOptions o;
-  o.listen = "127.0.0.1:0";
-  o.device = "cpu";
-  o.max_message_bytes = 1 << 20;
-  o.handler_threads = 4;
-  o.drain_seconds = 1;
-  engine::EngineConfig& e = o.engine;
-  e.head_dim = 64;
-  e.layers = 2;
-  e.capacity_pages = 64;
-  e.max_index_heads = 4;
-  e.max_topk = 32;
-  e.defaults = kernels::SelectParams{8, 0, 1};
-  e.page_table = kernels::PageTableParams{4, 8};
-  e.max_tokens_per_sequence = 4096;
-  e.max_query_tokens = 512;
-  e.max_batch_items = 16;
-  e.cpu_threads = 2;
-  return o;
-}
 
 std::vector<float> IntValues(std::mt19937& rng, size_t n, int lo, int hi) {
   std::uniform_int_distribution<int> dist(lo, hi);
@@ -75,38 +53,24 @@ Selection HostSequence::Select(int layer, const std::vector<float>& queries, int
   const int n = static_cast<int>(queries.size() / (static_cast<size_t>(num_heads) * head_dim_));
   const int64_t blocks = kernels::VisibleBlocks(p0 + n - 1);
   // The host copy as a pool whose page b is block b.
-  std::vector<uint16_t> pool(static_cast<size_t>(blocks) * kernels::kBlockSize * head_dim_, 0);
-  std::copy_n(keys_[layer].begin(), std::min(pool.size(), keys_[layer].size()), pool.begin());
-  std::vector<int32_t> table(blocks);
-  std::iota(table.begin(), table.end(), 0);
+  HostKeyPool pool(head_dim_, kernels::KeyStorage::kBf16, blocks);
+  const std::vector<int32_t> table = IdentityTable(blocks);
+  pool.Write(table, keys_[layer].data(), std::min(length(layer), blocks * kernels::kBlockSize));
   std::vector<uint16_t> q(queries.size());
   for (size_t i = 0; i < q.size(); ++i) q[i] = kernels::FloatToBf16(queries[i]);
+  SpanResult r = RunSelectSpan(pool.view(), table, attention_pages, p0, n, num_heads, q, params, pt);
 
   Selection s;
   s.num_tokens = n;
   s.num_heads = num_heads;
   s.topk = params.topk;
   s.start_position = p0;
-  const size_t rows = static_cast<size_t>(n) * num_heads;
-  s.block_ids.resize(rows * params.topk);
-  kernels::SpanSelect span;
-  span.block_table = table.data();
-  span.start_pos = p0;
-  span.num_tokens = n;
-  span.num_heads = num_heads;
-  span.queries = q.data();
-  span.params = params;
-  span.block_ids = s.block_ids.data();
+  s.block_ids = std::move(r.block_ids);
   if (!attention_pages.empty()) {
     s.pages_per_block = pt.pages_per_block;
-    s.page_table.resize(rows * params.topk * pt.pages_per_block);
-    s.context_lens.resize(rows);
-    span.attn_pages = attention_pages.data();
-    span.page_table = s.page_table.data();
-    span.context_lens = s.context_lens.data();
+    s.page_table = std::move(r.page_table);
+    s.context_lens = std::move(r.context_lens);
   }
-  kernels::SelectSpan(kernels::KeyPoolView{pool.data(), kernels::KeyStorage::kBf16, head_dim_},
-                      span, pt);
   return s;
 }
 

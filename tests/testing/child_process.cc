@@ -1,14 +1,14 @@
-#include "tests/server/child_process.h"
+#include "tests/testing/child_process.h"
 
+#include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <fstream>
+#include <cstdlib>
 #include <regex>
-#include <sstream>
 
 #include "absl/time/clock.h"
 
@@ -16,15 +16,8 @@ extern char** environ;
 
 namespace indexer::testing {
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 Child::Child(const std::vector<std::string>& argv, const std::vector<std::string>& extra_env) {
-  char name[] = "/tmp/indexer-sec-child-XXXXXX";
+  char name[] = "/tmp/indexer-test-child-XXXXXX";
   const int fd = mkstemp(name);
   log_path_ = name;
   std::vector<std::string> env;
@@ -91,6 +84,24 @@ RunResult RunToEnd(const std::vector<std::string>& argv, const std::vector<std::
   r.code = child.Wait(absl::Seconds(60)).value_or(-1000);
   r.output = child.Log();
   return r;
+}
+
+std::unique_ptr<Child> StartServerBinary(const std::vector<std::string>& flags, int* port) {
+  const char* binary = std::getenv("INDEXER_SERVER_BINARY");
+  if (binary == nullptr) {
+    ADD_FAILURE() << "INDEXER_SERVER_BINARY is not set (run through ctest)";
+    return nullptr;
+  }
+  std::vector<std::string> argv = {binary, "--listen=127.0.0.1:0", "--device=cpu"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  auto child = std::make_unique<Child>(argv);
+  const std::optional<int> serving = WaitForServingPort(*child, absl::Seconds(20));
+  if (!serving.has_value()) {
+    ADD_FAILURE() << "indexer-server did not start; its output:\n" << child->Log();
+    return nullptr;
+  }
+  *port = *serving;
+  return child;
 }
 
 }  // namespace indexer::testing

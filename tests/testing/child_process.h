@@ -1,20 +1,20 @@
 // Child processes for the tests that run the real binaries (indexer-server, indexer-cli,
-// indexer-bench): started with fork/execve, stdout and stderr in one log file, killed if still
-// running when the Child goes away. Test-only code.
+// indexer-bench, indexer-echo-server): started with fork/execve, stdout and stderr in one log
+// file, killed if still running when the Child goes away; and the server binary started on a
+// loopback port. Test-only code.
 #pragma once
 
 #include <sys/types.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/time/time.h"
+#include "tests/testing/files.h"
 
 namespace indexer::testing {
-
-// The whole file (empty when it cannot be read).
-std::string ReadFile(const std::string& path);
 
 // A child process whose stdout and stderr go to a log file.
 class Child {
@@ -46,5 +46,10 @@ struct RunResult {
   std::string output;
 };
 RunResult RunToEnd(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
+
+// Starts indexer-server ($INDEXER_SERVER_BINARY) with --listen=127.0.0.1:0 --device=cpu and
+// `flags`, and waits for its "serving on port" line; nullptr (and a test failure) when it does
+// not start.
+std::unique_ptr<Child> StartServerBinary(const std::vector<std::string>& flags, int* port);
 
 }  // namespace indexer::testing

@@ -6,8 +6,7 @@
 // reads past a token's causal limit or past the sequence gets a visibly wrong answer.
 //
 // Also: RunSelectSpan, which runs kernels::SelectSpan with outputs poisoned beforehand, so that
-// entries a selector forgets to write are caught. Header-only; used by tests/kernels and
-// tests/engine.
+// entries a selector forgets to write are caught. Header-only.
 #pragma once
 
 #include <algorithm>
@@ -20,14 +19,12 @@
 #include "kernels/cpu_reference.h"
 #include "kernels/numeric.h"
 #include "kernels/select_types.h"
+#include "tests/testing/bf16.h"
 
 namespace indexer::testing {
 
 // Written into every output entry before a selection runs; no valid output ever equals it.
 inline constexpr int32_t kPoison = 0x7eadbeef;
-
-// bf16 bits of a value that is exact in bf16 (tests build keys from such values).
-inline uint16_t Bf16(float f) { return kernels::FloatToBf16(f); }
 
 class HostKeyPool {
  public:

@@ -188,7 +188,7 @@ class IndexerClientTest(unittest.TestCase):
         now = [v for labels, v in after["indexer_requests_total"]
                if labels == {"rpc": "ServerInfo", "code": "OK"}]
         self.assertEqual(now[0], (ok[0] if ok else 0) + 1)
-        (_, total), = after["indexer_pages_total"]
+        (_, total), = after["indexer_pages_capacity"]
         self.assertEqual(total, CAPACITY)
         self.assertIn("indexer_backend_select_seconds", after)
 

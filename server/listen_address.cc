@@ -85,7 +85,7 @@ absl::Status CheckUnix(const ListenAddress& a, absl::string_view flag) {
   if (fd.get() >= 0 && connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
     return Unavailable(flag, a.text, "another server is listening on it");
   }
-  return absl::OkStatus();  // a leftover socket file: gRPC replaces it
+  return absl::OkStatus();  // a leftover socket file: gRPC unlinks it and binds anew
 }
 
 }  // namespace

@@ -34,9 +34,9 @@ absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view text, absl::s
 
 // Whether a listener could bind `address` now. TCP: every address the host resolves to binds as
 // a listener would (SO_REUSEADDR, no SO_REUSEPORT). Unix: the folder exists, and the path is
-// either free or a socket no server answers on (a crashed server's leftover, which gRPC
-// replaces). UNAVAILABLE naming `flag` and the reason otherwise ("address in use", "another
-// server is listening on ...", "... is not a socket"). Another process may still take the address
+// either free or a socket no server answers on (a crashed server's leftover, which gRPC unlinks
+// and binds anew). UNAVAILABLE naming `flag` and the reason otherwise ("address in use",
+// "another server is listening on it", "... is not a socket"). Another process may still take the address
 // between this check and the bind; the bind's own error is then the answer.
 absl::Status CheckCanListen(const ListenAddress& address, absl::string_view flag);
 

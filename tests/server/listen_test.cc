@@ -158,7 +158,7 @@ TEST(ListenAddress, SocketPathsAreChecked) {
   {
     UnixSocket stale(dir.File("stale.sock"), /*listen=*/false);  // bound, nobody listening
   }
-  EXPECT_TRUE(check(dir.File("stale.sock")).ok()) << "a leftover socket file is replaced";
+  EXPECT_TRUE(check(dir.File("stale.sock")).ok()) << "a leftover socket file is unlinked and bound anew";
   UnixSocket live(dir.File("live.sock"), /*listen=*/true);
   const absl::Status s = check(dir.File("live.sock"));
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);

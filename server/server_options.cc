@@ -2,7 +2,8 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cstdlib>
+#include <cstring>
+#include <iterator>
 #include <thread>
 #include <vector>
 
@@ -279,7 +280,7 @@ absl::StatusOr<EnvironmentFlags> ApplyEnvironment(char** environment) {
     if (!absl::StartsWith(text, "INDEXER_") || eq == absl::string_view::npos) continue;
     const std::string variable(text.substr(0, eq));
     const std::string value(text.substr(eq + 1));
-    const std::string flag = absl::AsciiStrToLower(variable.substr(strlen("INDEXER_")));
+    const std::string flag = absl::AsciiStrToLower(variable.substr(std::strlen("INDEXER_")));
     const bool known_other =
         std::any_of(std::begin(kClientVariables), std::end(kClientVariables),
                     [&](const char* v) { return variable == v; }) ||

@@ -51,20 +51,29 @@ absl::Status CheckTcp(const ListenAddress& a, absl::string_view flag) {
   const std::string port = absl::StrCat(a.port);
   const int rc = getaddrinfo(a.host.empty() ? nullptr : a.host.c_str(), port.c_str(), &hints, &found);
   if (rc != 0) return Unavailable(flag, a.text, gai_strerror(rc));
-  absl::Status status = absl::OkStatus();
-  for (const addrinfo* ai = found; ai != nullptr && status.ok(); ai = ai->ai_next) {
+  // A busy or forbidden address is refused; one the host cannot bind at all (an IPv6 address
+  // with IPv6 off) only when no address of the name binds, as gRPC then binds the others.
+  absl::Status refused = absl::OkStatus();
+  absl::Status unbindable = absl::OkStatus();
+  bool bound = false;
+  for (const addrinfo* ai = found; ai != nullptr && refused.ok(); ai = ai->ai_next) {
     Fd fd(socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol));
     if (fd.get() < 0) continue;  // an address family this host does not have
     const int one = 1;
     setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
-      status = Unavailable(flag, a.text,
-                           errno == EADDRINUSE ? "address in use (is another server running?)"
-                                               : std::strerror(errno));
+    if (bind(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0) {
+      bound = true;
+    } else if (errno == EADDRINUSE) {
+      refused = Unavailable(flag, a.text, "address in use (is another server running?)");
+    } else if (errno == EACCES) {
+      refused = Unavailable(flag, a.text, std::strerror(errno));
+    } else {
+      unbindable = Unavailable(flag, a.text, std::strerror(errno));
     }
   }
   freeaddrinfo(found);
-  return status;
+  if (!refused.ok()) return refused;
+  return bound ? absl::OkStatus() : unbindable;
 }
 
 absl::Status CheckUnix(const ListenAddress& a, absl::string_view flag) {

@@ -143,6 +143,11 @@ TEST(ListenAddress, ABusyPortIsRefusedBeforeBinding) {
   EXPECT_THAT(std::string(s.message()),
               HasSubstr(absl::StrCat("--listen: cannot listen on ", text, ": address in use")));
   EXPECT_TRUE(CheckCanListen(*ParseListenAddress("127.0.0.1:0", "listen", true), "listen").ok());
+  // An address of no interface of this host (TEST-NET-1; bound, never sent to).
+  const absl::Status foreign =
+      CheckCanListen(*ParseListenAddress("192.0.2.1:0", "listen", true), "listen");
+  EXPECT_EQ(foreign.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(foreign.message()), HasSubstr("Cannot assign requested address"));
 }
 
 TEST(ListenAddress, SocketPathsAreChecked) {

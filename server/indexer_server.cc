@@ -1,20 +1,25 @@
 #include "server/indexer_server.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
 
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
-#include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "engine/backend_factory.h"
+#include "engine/status_macros.h"
 
 namespace indexer::server {
 
@@ -54,6 +59,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Serve
 }
 
 absl::Status CheckSnapshotDir(const std::string& dir) {
+  if (dir.empty()) return absl::OkStatus();
   struct stat st {};
   if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || access(dir.c_str(), W_OK) != 0) {
     return absl::InvalidArgumentError(
@@ -61,9 +67,55 @@ absl::Status CheckSnapshotDir(const std::string& dir) {
   }
   return absl::OkStatus();
 }
+
+// Parses every listening address and checks that each can be bound now, before the backends
+// take their memory or a snapshot is restored. Returns the main listener's address.
+absl::StatusOr<ListenAddress> CheckListenAddresses(const ServerOptions& o) {
+  absl::StatusOr<ListenAddress> listen = ParseListenAddress(o.listen, "listen", true);
+  if (!listen.ok()) return listen.status();
+  INDEXER_RETURN_IF_ERROR(CheckCanListen(*listen, "listen"));
+  const std::pair<const std::string*, const char*> others[] = {
+      {&o.health_listen, "health_listen"}, {&o.metrics_listen, "metrics_listen"}};
+  for (const auto& [text, flag] : others) {
+    if (text->empty()) continue;
+    absl::StatusOr<ListenAddress> a =
+        ParseListenAddress(*text, flag, /*allow_unix=*/text == &o.health_listen);
+    if (!a.ok()) return a.status();
+    INDEXER_RETURN_IF_ERROR(CheckCanListen(*a, flag));
+  }
+  return listen;
+}
+
+// Sets a server's builder plugins: gRPC reflection, or none. Plugins are otherwise registered
+// process-wide, and the health listener must serve nothing but grpc.health.v1.
+class Plugins final : public grpc::ServerBuilderOption {
+ public:
+  explicit Plugins(bool reflection) : reflection_(reflection) {}
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->clear();
+    if (reflection_) {
+      plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+    }
+  }
+
+ private:
+  const bool reflection_;
+};
+
+// A builder refusing a port another server holds: with SO_REUSEPORT two servers would split the
+// traffic while holding different sequences.
+std::unique_ptr<grpc::ServerBuilder> Builder(bool reflection) {
+  grpc::EnableDefaultHealthCheckService(true);
+  auto builder = std::make_unique<grpc::ServerBuilder>();
+  builder->SetOption(std::make_unique<Plugins>(reflection));
+  builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  return builder;
+}
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const ServerOptions& options) {
+  if (absl::StatusOr<ListenAddress> a = CheckListenAddresses(options); !a.ok()) return a.status();
   engine::DeviceChoice choice;
   choice.kind = options.device;
   choice.cuda_devices = options.devices;
@@ -77,132 +129,155 @@ absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(const Server
 absl::StatusOr<std::unique_ptr<IndexerServer>> IndexerServer::Start(
     const ServerOptions& options, std::vector<engine::DeviceBackend> backends) {
   std::unique_ptr<IndexerServer> s(new IndexerServer());
-  s->access_ = std::make_unique<AccessControl>();
-  if (!options.token_file.empty()) {
-    absl::StatusOr<AccessControl> access =
-        AccessControl::FromTokenFile(options.token_file, options.engine.BytesPerPage());
-    if (!access.ok()) return access.status();
-    *s->access_ = *std::move(access);
-    for (const std::string& warning : s->access_->warnings()) spdlog::warn("{}", warning);
-    if (options.tls_cert.empty()) {
-      spdlog::warn("--token_file without TLS: tokens cross the network in clear text; add "
-                   "--tls_cert and --tls_key unless every client is on a trusted network");
-    }
-  }
+  absl::StatusOr<ListenAddress> listen = CheckListenAddresses(options);
+  if (!listen.ok()) return listen.status();
+  s->listen_ = *std::move(listen);
+  INDEXER_RETURN_IF_ERROR(s->LoadAccessControl(options));
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials(options);
   if (!credentials.ok()) return credentials.status();
-  if (!options.snapshot_dir.empty()) {
-    if (absl::Status dir = CheckSnapshotDir(options.snapshot_dir); !dir.ok()) return dir;
-  }
+  INDEXER_RETURN_IF_ERROR(CheckSnapshotDir(options.snapshot_dir));
+  INDEXER_RETURN_IF_ERROR(s->StartEngine(options, std::move(backends)));
+  INDEXER_RETURN_IF_ERROR(s->StartMetrics(options));
+  s->MakeServices(options);
+  INDEXER_RETURN_IF_ERROR(s->StartGrpc(options, *std::move(credentials)));
+  INDEXER_RETURN_IF_ERROR(s->StartHealthListener(options));
+  s->SetServing(true);
+  s->StartMonitors(options);
+  return s;
+}
 
+absl::Status IndexerServer::LoadAccessControl(const ServerOptions& options) {
+  access_ = std::make_unique<AccessControl>();
+  if (options.token_file.empty()) return absl::OkStatus();
+  absl::StatusOr<AccessControl> access =
+      AccessControl::FromTokenFile(options.token_file, options.engine.BytesPerPage());
+  if (!access.ok()) return access.status();
+  *access_ = *std::move(access);
+  for (const std::string& warning : access_->warnings()) spdlog::warn("{}", warning);
+  if (options.tls_cert.empty()) {
+    spdlog::warn("--token_file without TLS: tokens cross the network in clear text; add "
+                 "--tls_cert and --tls_key unless every client is on a trusted network");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status IndexerServer::StartEngine(const ServerOptions& options,
+                                        std::vector<engine::DeviceBackend> backends) {
   // Answers must fit one gRPC message: the engine refuses (and applies nothing of) a request
   // whose answer would not, keeping some room for the message's framing.
   engine::EngineConfig config = options.engine;
   config.max_response_bytes = std::max<int64_t>(options.max_message_bytes - 4096, 1024);
   engine::PageQuotas quotas;
   quotas.default_pages = options.tenant_quota_pages;
-  for (const auto& [tenant, pages] : s->access_->quotas()) quotas.per_tenant[tenant] = pages;
-  s->engine_ = std::make_unique<engine::Engine>(config, std::move(backends), std::move(quotas));
-  if (!options.restore.empty()) {
-    const absl::Time start = absl::Now();
-    engine::SnapshotStats stats;
-    const absl::Status restored = s->engine_->RestoreSnapshot(options.restore, &stats);
-    if (!restored.ok()) {
-      return absl::Status(restored.code(), absl::StrCat("--restore: ", restored.message()));
-    }
-    spdlog::info("restored {} sequences, {} pages ({} bytes) from {} in {:.3f} s", stats.sequences,
-                 stats.pages, stats.bytes, options.restore,
-                 absl::ToDoubleSeconds(absl::Now() - start));
+  for (const auto& [tenant, pages] : access_->quotas()) quotas.per_tenant[tenant] = pages;
+  engine_ = std::make_unique<engine::Engine>(config, std::move(backends), std::move(quotas));
+  if (options.restore.empty()) return absl::OkStatus();
+  const absl::Time start = absl::Now();
+  engine::SnapshotStats stats;
+  const absl::Status restored = engine_->RestoreSnapshot(options.restore, &stats);
+  if (!restored.ok()) {
+    return absl::Status(restored.code(), absl::StrCat("--restore: ", restored.message()));
   }
-  s->executor_ = std::make_unique<RequestExecutor>(HandlerThreads(options), options.handler_spin_us);
-  s->metrics_ = std::make_unique<ServiceMetrics>(s->engine_.get(), s->engine_->backend().name());
-  s->engine_->SetObserver(s->metrics_.get());
-  if (!options.metrics_listen.empty()) {
-    if (absl::Status m = s->metrics_->Serve(options.metrics_listen); !m.ok()) {
-      s->executor_->Stop();
-      return absl::Status(m.code(), absl::StrCat("--metrics_listen: ", m.message()));
-    }
-  }
-  s->calls_ = std::make_unique<CallTracker>();
-  s->service_ = std::make_unique<IndexerService>(s->engine_.get(), s->executor_.get(),
-                                                 s->access_.get(), s->metrics_.get(), Version(),
-                                                 options.max_message_bytes, s->calls_.get());
-  s->admin_service_ = std::make_unique<IndexerAdminService>(
-      s->engine_.get(), s->executor_.get(), s->access_.get(), options.snapshot_dir,
-      s->calls_.get());
+  spdlog::info("restored {} sequences, {} pages ({} bytes) from {} in {:.3f} s", stats.sequences,
+               stats.pages, stats.bytes, options.restore,
+               absl::ToDoubleSeconds(absl::Now() - start));
+  return absl::OkStatus();
+}
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  // Refuse a port another server holds: with SO_REUSEPORT two servers would split the traffic
-  // while holding different sequences.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(options.listen, *credentials, &s->port_);
-  builder.RegisterService(s->service_.get());
-  builder.RegisterService(s->admin_service_.get());
-  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  s->server_ = builder.BuildAndStart();
-  if (s->server_ == nullptr || s->port_ == 0) {
-    s->executor_->Stop();
+absl::Status IndexerServer::StartMetrics(const ServerOptions& options) {
+  metrics_ = std::make_unique<ServiceMetrics>(engine_.get(), engine_->backend().name());
+  engine_->SetObserver(metrics_.get());
+  if (options.metrics_listen.empty()) return absl::OkStatus();
+  const absl::Status serving = metrics_->Serve(options.metrics_listen);
+  if (serving.ok()) return serving;
+  return absl::Status(serving.code(), absl::StrCat("--metrics_listen: ", serving.message()));
+}
+
+void IndexerServer::MakeServices(const ServerOptions& options) {
+  executor_ = std::make_unique<RequestExecutor>(HandlerThreads(options), options.handler_spin_us);
+  calls_ = std::make_unique<CallTracker>();
+  service_ = std::make_unique<IndexerService>(engine_.get(), executor_.get(), access_.get(),
+                                              metrics_.get(), Version(),
+                                              options.max_message_bytes, calls_.get());
+  admin_service_ = std::make_unique<IndexerAdminService>(
+      engine_.get(), executor_.get(), access_.get(), options.snapshot_dir, calls_.get());
+}
+
+absl::Status IndexerServer::StartGrpc(const ServerOptions& options,
+                                      std::shared_ptr<grpc::ServerCredentials> credentials) {
+  std::unique_ptr<grpc::ServerBuilder> builder = Builder(/*reflection=*/true);
+  builder->AddListeningPort(options.listen, std::move(credentials), &port_);
+  builder->RegisterService(service_.get());
+  builder->RegisterService(admin_service_.get());
+  builder->SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder->SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  server_ = builder->BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(absl::StrCat(
-        "cannot listen on ", options.listen,
-        options.tls_cert.empty() ? " (address in use or invalid?)"
-                                 : " (address in use or invalid, or the TLS certificate and key "
-                                   "do not parse or do not match?)"));
+        "--listen: cannot listen on ", options.listen,
+        options.tls_cert.empty() ? " (is the address valid?)"
+                                 : " (is the address valid, and do the TLS certificate and key "
+                                   "parse and match?)"));
   }
-  s->server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
-  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  if (listen_.kind != ListenAddress::Kind::kTcp) port_ = 0;  // gRPC reports 1 for a socket
+  // The socket is the server's only access control on a shared host: its user and group (in a
+  // pod, the fsGroup a sidecar shares) may connect, others not.
+  if (listen_.kind == ListenAddress::Kind::kUnix && chmod(listen_.path.c_str(), 0660) != 0) {
+    spdlog::warn("--listen: cannot make {} group-writable: {}", listen_.path, strerror(errno));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status IndexerServer::StartHealthListener(const ServerOptions& options) {
+  if (options.health_listen.empty()) return absl::OkStatus();
+  std::unique_ptr<grpc::ServerBuilder> builder = Builder(/*reflection=*/false);
+  builder->AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
+                            &health_port_);
+  // Every other method answers UNIMPLEMENTED (CallbackGenericService's default); it also gives
+  // the server the callback queue that the default health service runs on.
+  unimplemented_ = std::make_unique<grpc::CallbackGenericService>();
+  builder->RegisterCallbackGenericService(unimplemented_.get());
+  // Health requests are a service name; nothing larger has a reason to arrive here.
+  builder->SetMaxReceiveMessageSize(64 << 10);
+  health_server_ = builder->BuildAndStart();
+  if (health_server_ == nullptr || health_port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("--health_listen: cannot listen on ", options.health_listen));
+  }
+  if (absl::StartsWith(options.health_listen, "unix")) health_port_ = 0;
+  return absl::OkStatus();
+}
+
+void IndexerServer::StartMonitors(const ServerOptions& options) {
   // A failed device cannot be repaired in-process: probes and load balancers must send work
   // elsewhere and restart the server.
-  grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService();
-  ServiceMetrics* metrics = s->metrics_.get();
-  s->device_health_ = std::make_unique<DeviceHealthMonitor>(
-      s->engine_.get(), [metrics](int d) { return metrics->DeviceLabel(d); },
-      [health](const absl::Status&) {
-        health->SetServingStatus(kServiceName, false);
-        health->SetServingStatus(false);
-      },
-      kDeviceHealthPeriod);
-  if (options.idle_ttl > absl::ZeroDuration()) s->StartReaper(options.idle_ttl);
-  return s;
-}
-
-void IndexerServer::StartReaper(absl::Duration ttl) {
-  // Looks a few times per TTL (at most every 10 s), so a sequence lives at most about 1.25 TTL
-  // past its last use.
-  const absl::Duration period = std::min(ttl / 4, absl::Seconds(10));
-  reaper_ = std::thread([this, ttl, period] {
-    std::unique_lock<std::mutex> lock(reaper_mu_);
-    while (!reaper_cv_.wait_for(lock, absl::ToChronoNanoseconds(period), [this] { return reaper_stop_; })) {
-      lock.unlock();
-      const int64_t reclaimed = engine_->ReclaimIdle(ttl);
-      if (reclaimed > 0) {
-        metrics_->RecordReclaimed(reclaimed);
-        spdlog::info("idle TTL {}: released {} sequences no call had named", absl::FormatDuration(ttl),
-                     reclaimed);
-      }
-      lock.lock();
-    }
-  });
-}
-
-void IndexerServer::StopReaper() {
-  {
-    std::lock_guard<std::mutex> lock(reaper_mu_);
-    reaper_stop_ = true;
+  ServiceMetrics* metrics = metrics_.get();
+  device_health_ = std::make_unique<DeviceHealthMonitor>(
+      engine_.get(), [metrics](int d) { return metrics->DeviceLabel(d); },
+      [this](const absl::Status&) { SetServing(false); }, kDeviceHealthPeriod);
+  if (options.idle_ttl > absl::ZeroDuration()) {
+    reaper_ = std::make_unique<IdleReaper>(engine_.get(), options.idle_ttl,
+                                           [metrics](int64_t n) { metrics->RecordReclaimed(n); });
   }
-  reaper_cv_.notify_all();
-  if (reaper_.joinable()) reaper_.join();
 }
+
+void IndexerServer::SetServing(bool serving) {
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server == nullptr) continue;
+    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+    health->SetServingStatus(kServiceName, serving);
+    health->SetServingStatus(serving);
+  }
+}
+
+std::string IndexerServer::listening_on() const { return ListeningOn(listen_, port_); }
 
 void IndexerServer::Shutdown(absl::Duration drain, absl::Duration not_serving_grace) {
   if (stopped_ || server_ == nullptr) return;
   stopped_ = true;
-  StopReaper();
+  reaper_.reset();
   device_health_.reset();
-  server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
-  server_->GetHealthCheckService()->SetServingStatus(false);
+  SetServing(false);
   // Health checks answer NOT_SERVING for a moment before the listener closes, so that load
   // balancers and readiness probes stop sending new work first.
   if (not_serving_grace > absl::ZeroDuration()) absl::SleepFor(not_serving_grace);
@@ -231,6 +306,11 @@ void IndexerServer::Shutdown(absl::Duration drain, absl::Duration not_serving_gr
   }
   server_->Shutdown(absl::ToChronoTime(grpc_deadline));
   server_->Wait();
+  // The health listener answers NOT_SERVING until the main listener has closed.
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
+    health_server_->Wait();
+  }
   executor_->Stop();
 }
 

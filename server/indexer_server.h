@@ -2,19 +2,25 @@
 // reflection), with TLS, token authentication and a restored snapshot when its options ask for
 // them. main() runs one; end-to-end tests run one in-process on a loopback port.
 //
-// Health: SERVING once started; NOT_SERVING from Shutdown() on, and for good once a device has
-// failed (KeyCacheBackend::Health: a sticky CUDA error), seen within kDeviceHealthPeriod by a
-// DeviceHealthMonitor, which also logs the device and its error.
+// It listens on options.listen: host:port or a Unix domain socket (unix:/run/indexer/indexer.sock,
+// made readable and writable by the server's user and group). With options.health_listen it also
+// serves grpc.health.v1, and nothing else, in plaintext on that address, for probes that cannot
+// speak TLS or carry tokens (the kubelet's gRPC probe, Docker's HEALTHCHECK).
+//
+// Health (on both listeners, for "" and "indexer.v1.Indexer"): SERVING once started;
+// NOT_SERVING from Shutdown() on, and for good once a device has failed (KeyCacheBackend::Health:
+// a sticky CUDA error), seen within kDeviceHealthPeriod by a DeviceHealthMonitor, which also
+// logs the device and its error.
 //
 // Start() returns once the server accepts calls. Shutdown() may be called once, from any thread.
 #pragma once
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 
-#include <condition_variable>
 #include <memory>
-#include <mutex>
-#include <thread>
+#include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -23,7 +29,9 @@
 #include "server/admin_service.h"
 #include "server/call_tracker.h"
 #include "server/device_health_monitor.h"
+#include "server/idle_reaper.h"
 #include "server/indexer_service.h"
+#include "server/listen_address.h"
 #include "server/metrics.h"
 #include "server/request_executor.h"
 #include "server/server_options.h"
@@ -33,10 +41,10 @@ namespace indexer::server {
 class IndexerServer {
  public:
   // Builds the backends (one per device: options.device, devices, cpu_devices), the engine and
-  // the gRPC server, restores
-  // options.restore when given, binds and starts. Errors: those of the backend factory, of the
-  // token file, TLS files or snapshot folder (naming the flag), of the restore (nothing is
-  // served then), or UNAVAILABLE when the address cannot be bound.
+  // the gRPC server, restores options.restore when given, binds and starts. Errors: those of the
+  // backend factory, of the token file, TLS files or snapshot folder (naming the flag), of the
+  // restore (nothing is served then), or UNAVAILABLE naming the flag when an address cannot be
+  // bound (in use, or another server answers on the socket).
   static absl::StatusOr<std::unique_ptr<IndexerServer>> Start(const ServerOptions& options);
   // The same on backends the caller built, one per device with the slots MakeBackends would
   // give them (options.device, devices and cpu_devices are then ignored). For tests that
@@ -49,8 +57,12 @@ class IndexerServer {
 
   ~IndexerServer();
 
-  // The bound TCP port (useful with a listen address ending in :0).
+  // The bound TCP port (useful with a listen address ending in :0); 0 on a Unix socket.
   int port() const { return port_; }
+  // Where the server listens, for the startup log: "port 50051" or "unix:/path/to.sock".
+  std::string listening_on() const;
+  // The health-only listener's TCP port (0 when options.health_listen is empty or a socket).
+  int health_port() const { return health_port_; }
   engine::Engine& engine() { return *engine_; }
   // The Prometheus port (0 when --metrics_listen is empty).
   int metrics_port() const { return metrics_->port(); }
@@ -69,10 +81,19 @@ class IndexerServer {
 
  private:
   IndexerServer() = default;
-  // The idle-sequence TTL: a thread that releases sequences no call has named for `ttl`.
-  void StartReaper(absl::Duration ttl);
-  void StopReaper();
+  // The steps of Start, in order. Each returns an error naming the flag at fault.
+  absl::Status LoadAccessControl(const ServerOptions& options);
+  absl::Status StartEngine(const ServerOptions& options, std::vector<engine::DeviceBackend> backends);
+  absl::Status StartMetrics(const ServerOptions& options);
+  void MakeServices(const ServerOptions& options);
+  absl::Status StartGrpc(const ServerOptions& options,
+                         std::shared_ptr<grpc::ServerCredentials> credentials);
+  absl::Status StartHealthListener(const ServerOptions& options);
+  void StartMonitors(const ServerOptions& options);
+  // Sets grpc.health.v1's answer, for "" and the indexer service, on every listener.
+  void SetServing(bool serving);
 
+  ListenAddress listen_;
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<ServiceMetrics> metrics_;
   std::unique_ptr<RequestExecutor> executor_;
@@ -82,13 +103,13 @@ class IndexerServer {
   std::unique_ptr<IndexerService> service_;
   std::unique_ptr<IndexerAdminService> admin_service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::CallbackGenericService> unimplemented_;  // before health_server_
+  std::unique_ptr<grpc::Server> health_server_;  // --health_listen; null when off
   int port_ = 0;
+  int health_port_ = 0;
   bool stopped_ = false;
-  std::thread reaper_;
-  std::mutex reaper_mu_;
-  std::condition_variable reaper_cv_;
-  bool reaper_stop_ = false;
-  // Last: stopped first (it sets server_'s health status).
+  // Last: stopped first (they use the engine, the metrics and the servers' health).
+  std::unique_ptr<IdleReaper> reaper_;
   std::unique_ptr<DeviceHealthMonitor> device_health_;
 };
 

@@ -1,78 +1,120 @@
 // indexer-server: serves the indexer gRPC API (proto/indexer/v1/indexer.proto).
 //
-// Configuration comes from flags or INDEXER_* environment variables (--help lists them).
-// SIGINT/SIGTERM: health turns NOT_SERVING, in-flight calls drain (up to --drain_seconds), with
-// --snapshot_on_shutdown every sequence is written to a snapshot file, and the process exits 0
-// (1 when that snapshot fails).
+// Configuration comes from flags or INDEXER_* environment variables (--help lists them, by
+// section). SIGINT/SIGTERM: health turns NOT_SERVING, in-flight calls drain (up to
+// --drain_seconds), with --snapshot_on_shutdown every sequence is written to a snapshot file, and
+// the process exits. Exit status (HelpText says the same): 0 after a graceful shutdown; 1 when
+// the server cannot start or the snapshot on shutdown fails; 2 when a value is refused.
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <cstdio>
-#include <vector>
+#include <string>
 
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/indexer_server.h"
 #include "server/server_options.h"
 #include "server/startup.h"
 
-int main(int argc, char** argv) {
-  // First, before any thread exists: every thread inherits the mask, so only Wait takes them.
-  indexer::server::ShutdownSignals signals;
-  indexer::server::SetCommandLineUsage(
-      "server/",
-      "Serves sparse-attention block selection (the MiniMax M3 lightning indexer) over gRPC.\n"
-      "Every flag can also be set by an environment variable INDEXER_<FLAG>, e.g. "
-      "INDEXER_CAPACITY=4GiB.\nUsage: indexer-server [flags]",
-      [] { return std::string("indexer-server ") + indexer::server::Version() + "\n"; });
-  std::vector<std::string> args = indexer::server::ArgsWithEnvironment(argc, argv);
-  std::vector<char*> arg_ptrs;
-  for (auto& a : args) arg_ptrs.push_back(a.data());
-  absl::ParseCommandLine(static_cast<int>(arg_ptrs.size()), arg_ptrs.data());
+namespace {
 
-  absl::StatusOr<indexer::server::ServerOptions> options = indexer::server::OptionsFromFlags();
-  if (!options.ok()) {
-    std::fprintf(stderr, "indexer-server: %s\n", std::string(options.status().message()).c_str());
-    return 2;
-  }
-  spdlog::set_level(spdlog::level::from_str(options->log_level));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+namespace server = indexer::server;
 
-  auto server = indexer::server::IndexerServer::Start(*options);
-  if (!server.ok()) {
-    spdlog::error("startup failed: {}", server.status().ToString());
-    return 1;
+constexpr int kFailed = 1;
+constexpr int kValueRefused = 2;
+
+bool AsksForHelp(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    for (const char* help : {"-h", "-help", "--help", "-helpfull", "--helpfull", "-helpshort",
+                             "--helpshort"}) {
+      if (arg == help) return true;
+    }
   }
-  const auto& engine = (*server)->engine();
-  spdlog::info("indexer-server {} serving on port {}: backend={} ({}) devices={} {}",
-               indexer::server::Version(), (*server)->port(), engine.backend().name(),
-               engine.backend().device(), engine.num_devices(), indexer::server::Summary(*options));
+  return false;
+}
+
+void LogStart(server::IndexerServer& s, const server::ServerOptions& options) {
+  const indexer::engine::Engine& engine = s.engine();
+  spdlog::info("indexer-server {} serving on {}: backend={} ({}) devices={} {}",
+               server::Version(), s.listening_on(), engine.backend().name(),
+               engine.backend().device(), engine.num_devices(), server::Summary(options));
+  if (!options.health_listen.empty()) {
+    spdlog::info("health checks (grpc.health.v1 only, plaintext) on {}",
+                 s.health_port() > 0 ? "port " + std::to_string(s.health_port())
+                                     : options.health_listen);
+  }
   for (int d = 0; d < engine.num_devices(); ++d) {
     const indexer::engine::DeviceSlot& slot = engine.slot(d);
     spdlog::info("device {}: {} ordinal {} ({}), pages {} to {}", d, engine.backend(d).name(),
                  slot.ordinal, engine.backend(d).device(), slot.first_page,
                  slot.first_page + slot.num_pages - 1);
   }
+}
+
+// After the drain: the snapshot on shutdown, when asked for. False when it failed (logged).
+bool SnapshotOnShutdown(server::IndexerServer& s, const server::ServerOptions& options) {
+  if (options.snapshot_on_shutdown.empty()) return true;
+  const absl::Time start = absl::Now();
+  indexer::engine::SnapshotStats saved;
+  const absl::Status status = s.engine().WriteSnapshot(options.snapshot_on_shutdown, &saved);
+  if (!status.ok()) {
+    spdlog::error("snapshot on shutdown failed: {}", status.ToString());
+    return false;
+  }
+  spdlog::info("snapshot on shutdown: {} sequences, {} pages, {} bytes written to {} in {:.3f} s",
+               saved.sequences, saved.pages, saved.bytes, options.snapshot_on_shutdown,
+               absl::ToDoubleSeconds(absl::Now() - start));
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // First, before any thread exists: every thread inherits the mask, so only Wait takes them.
+  server::ShutdownSignals signals;
+  if (AsksForHelp(argc, argv)) {
+    std::fputs(server::HelpText().c_str(), stdout);
+    return 0;
+  }
+  server::SetCommandLineUsage(
+      "server/", "Usage: indexer-server [flags] (indexer-server --help lists them)",
+      [] { return std::string("indexer-server ") + server::Version() + "\n"; });
+  absl::StatusOr<server::EnvironmentFlags> environment = server::ApplyEnvironment(environ);
+  if (!environment.ok()) {
+    std::fprintf(stderr, "indexer-server: %s\n", std::string(environment.status().message()).c_str());
+    return kFailed;
+  }
+  absl::ParseCommandLine(argc, argv);
+  absl::StatusOr<server::ServerOptions> options = server::OptionsFromFlags();
+  absl::Status settings = options.ok() ? server::CheckEnvironmentSettings(environ) : options.status();
+  if (!settings.ok()) {
+    std::fprintf(stderr, "indexer-server: %s\n",
+                 server::NameTheVariable(settings.message(), *environment, argc, argv).c_str());
+    return kValueRefused;
+  }
+  spdlog::set_level(spdlog::level::from_str(options->log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+  for (const std::string& warning : environment->warnings) spdlog::warn("{}", warning);
+
+  absl::StatusOr<std::unique_ptr<server::IndexerServer>> s = server::IndexerServer::Start(*options);
+  if (!s.ok()) {
+    spdlog::error("startup failed: {}", s.status().ToString());
+    return kFailed;
+  }
+  LogStart(**s, *options);
 
   const int sig = signals.Wait();
-  spdlog::info("received {}, draining in-flight calls for up to {} s", sig == SIGINT ? "SIGINT" : "SIGTERM",
-               options->drain_seconds);
-  (*server)->Shutdown(absl::Seconds(options->drain_seconds), absl::Seconds(options->not_serving_seconds));
-  if (!options->snapshot_on_shutdown.empty()) {
-    const absl::Time start = absl::Now();
-    indexer::engine::SnapshotStats saved;
-    const absl::Status status =
-        (*server)->engine().WriteSnapshot(options->snapshot_on_shutdown, &saved);
-    if (!status.ok()) {
-      spdlog::error("snapshot on shutdown failed: {}", status.ToString());
-      return 1;
-    }
-    spdlog::info("snapshot on shutdown: {} sequences, {} pages, {} bytes written to {} in {:.3f} s",
-                 saved.sequences, saved.pages, saved.bytes, options->snapshot_on_shutdown,
-                 absl::ToDoubleSeconds(absl::Now() - start));
-  }
-  const auto stats = (*server)->engine().Stats();
+  spdlog::info("received {}, draining in-flight calls for up to {} s",
+               sig == SIGINT ? "SIGINT" : "SIGTERM", options->drain_seconds);
+  (*s)->Shutdown(absl::Seconds(options->drain_seconds), absl::Seconds(options->not_serving_seconds));
+  if (!SnapshotOnShutdown(**s, *options)) return kFailed;
+  const auto stats = (*s)->engine().Stats();
   spdlog::info("stopped; {} live sequences, {} of {} pages in use were dropped", stats.live_sequences,
                stats.total_pages - stats.free_pages, stats.total_pages);
   return 0;

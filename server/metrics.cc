@@ -1,21 +1,23 @@
 #include "server/metrics.h"
 
 #include <prometheus/collectable.h>
+#include <prometheus/gauge.h>
 #include <prometheus/metric_family.h>
 
-#include <exception>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "engine/backend_factory.h"
+#include "server/process_metrics.h"
 
 namespace indexer::server {
 namespace {
 
-// Seconds, from 20 µs to about 20 s, doubling.
+// Seconds, from 10 µs to 20 s in steps of 1, 2, 5 per decade: written as decimal literals so
+// that every `le` label prints as written (a computed 2^k x 20e-6 prints 8.000000000000001e-05).
 prometheus::Histogram::BucketBoundaries SecondsBuckets() {
-  prometheus::Histogram::BucketBoundaries b;
-  for (double s = 20e-6; s < 25; s *= 2) b.push_back(s);
-  return b;
+  return {10e-6, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3,
+          20e-3, 50e-3, 0.1,   0.2,    0.5,    1,      2,    5,    10,   20};
 }
 
 // Seconds of one phase of a call, from 1 µs to 10 s: 1, 2, 5 per decade, written out so that
@@ -53,9 +55,22 @@ prometheus::ClientMetric Value(double v) {
   return m;
 }
 
+// indexer_build_info: 1, labelled with what the server is (the usual _info pattern, for joins).
+void RegisterBuildInfo(prometheus::Registry& registry, const std::string& backend) {
+  prometheus::BuildGauge()
+      .Name("indexer_build_info")
+      .Help("Always 1; the labels say which server this is: its version, the backend it runs and "
+            "whether the build has the CUDA backend.")
+      .Register(registry)
+      .Add({{"version", INDEXER_VERSION},
+            {"backend", backend},
+            {"cuda_built", engine::BuiltWithCuda() ? "true" : "false"}})
+      .Set(1);
+}
+
 }  // namespace
 
-// Pages, sequences and device health, read from the engine whenever the registry is collected.
+// Pages, key-pool bytes, sequences and device health, read from the engine at every collection.
 class ServiceMetrics::EngineGauges final : public prometheus::Collectable {
  public:
   EngineGauges(const engine::Engine* engine, std::string device)
@@ -83,8 +98,8 @@ class ServiceMetrics::EngineGauges final : public prometheus::Collectable {
     };
     prometheus::MetricFamily live = family("indexer_live_sequences", "Sequences the server holds.");
     live.metric.push_back(Value(static_cast<double>(s.live_sequences)));
-    return {
-        per_device("indexer_pages_total",
+    std::vector<prometheus::MetricFamily> out = {
+        per_device("indexer_pages_capacity",
                    "Pages in the key pool of each device (one 128-token block of every layer).",
                    [](const engine::DeviceStats& d) { return d.total_pages; }),
         per_device("indexer_pages_free", "Free pages in the key pool of each device.",
@@ -101,6 +116,8 @@ class ServiceMetrics::EngineGauges final : public prometheus::Collectable {
                    [](const engine::DeviceStats& d) { return d.health.ok() ? 0 : 1; }),
         std::move(live),
     };
+    for (prometheus::MetricFamily& f : PoolBytes(s, per_device)) out.push_back(std::move(f));
+    return out;
   }
 
   std::string Label(int d) const {
@@ -109,12 +126,28 @@ class ServiceMetrics::EngineGauges final : public prometheus::Collectable {
   }
 
  private:
+  // The key pool in bytes, per device: the page gauges times the bytes of one page.
+  template <typename PerDevice>
+  std::vector<prometheus::MetricFamily> PoolBytes(const engine::EngineStats&,
+                                                  const PerDevice& per_device) const {
+    const int64_t page = engine_->config().BytesPerPage();
+    return {
+        per_device("indexer_key_pool_bytes", "Bytes of the key pool of each device.",
+                   [page](const engine::DeviceStats& d) { return d.total_pages * page; }),
+        per_device("indexer_key_pool_used_bytes", "Bytes of each device's key pool holding keys.",
+                   [page](const engine::DeviceStats& d) {
+                     return (d.total_pages - d.free_pages) * page;
+                   }),
+    };
+  }
+
   const engine::Engine* engine_;
   const std::string device_;
 };
 
 ServiceMetrics::ServiceMetrics(const engine::Engine* engine, std::string device)
-    : registry_(std::make_shared<prometheus::Registry>()),
+    : engine_(engine),
+      registry_(std::make_shared<prometheus::Registry>()),
       gauges_(std::make_shared<EngineGauges>(engine, std::move(device))),
       requests_(prometheus::BuildCounter()
                     .Name("indexer_requests_total")
@@ -181,6 +214,9 @@ ServiceMetrics::ServiceMetrics(const engine::Engine* engine, std::string device)
                         "respond (the answer built and serialized).")
                   .Register(*registry_)) {
   for (const char* name : kPhaseNames) phase_.push_back(&phases_.Add({{"phase", name}}, PhaseBuckets()));
+  RegisterBuildInfo(*registry_, engine->backend().name());
+  AddSource(std::make_shared<ProcessMetrics>());
+  AddGpuSource();
 }
 
 void ServiceMetrics::OnCallPhases(const engine::CallPhases& p) {
@@ -204,20 +240,35 @@ void ServiceMetrics::RecordServerPhases(absl::Duration parse, absl::Duration res
 
 ServiceMetrics::~ServiceMetrics() = default;
 
+void ServiceMetrics::AddGpuSource() {
+  std::vector<GpuMetrics::Device> gpus;
+  for (int d = 0; d < engine_->num_devices(); ++d) {
+    if (engine_->backend(d).name() == "cuda") gpus.push_back({DeviceLabel(d), engine_->slot(d).ordinal});
+  }
+  if (gpus.empty()) return;
+  std::unique_ptr<GpuProbe> probe = OpenGpuProbe();
+  if (probe != nullptr) AddSource(std::make_shared<GpuMetrics>(std::move(gpus), std::move(probe)));
+}
+
+void ServiceMetrics::AddSource(std::shared_ptr<prometheus::Collectable> source) {
+  extra_sources_.push_back(std::move(source));
+}
+
+MetricsEndpoint::Sources ServiceMetrics::Sources() const {
+  MetricsEndpoint::Sources sources = {registry_, gauges_};
+  sources.insert(sources.end(), extra_sources_.begin(), extra_sources_.end());
+  return sources;
+}
+
+std::string ServiceMetrics::Render() const { return MetricsEndpoint::Render(Sources()); }
+
 std::string ServiceMetrics::DeviceLabel(int device) const { return gauges_->Label(device); }
 
 absl::Status ServiceMetrics::Serve(const std::string& bind_address) {
-  try {
-    auto exposer = std::make_unique<prometheus::Exposer>(bind_address);
-    exposer->RegisterCollectable(registry_);
-    exposer->RegisterCollectable(gauges_);
-    const std::vector<int> ports = exposer->GetListeningPorts();
-    port_ = ports.empty() ? 0 : ports.front();
-    exposer_ = std::move(exposer);
-  } catch (const std::exception& e) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot serve metrics on ", bind_address, ": ", e.what()));
-  }
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
+      MetricsEndpoint::Start(bind_address, Sources());
+  if (!endpoint.ok()) return endpoint.status();
+  endpoint_ = *std::move(endpoint);
   return absl::OkStatus();
 }
 
@@ -272,8 +323,10 @@ void ServiceMetrics::OnBatchDropped(absl::StatusCode why) {
 }
 
 void ServiceMetrics::Fill(v1::GetStatsResponse* out) const {
-  std::vector<prometheus::MetricFamily> families = registry_->Collect();
-  for (auto& f : gauges_->Collect()) families.push_back(std::move(f));
+  std::vector<prometheus::MetricFamily> families;
+  for (const std::weak_ptr<prometheus::Collectable>& source : Sources()) {
+    for (auto& f : source.lock()->Collect()) families.push_back(std::move(f));
+  }
   for (const prometheus::MetricFamily& f : families) {
     v1::MetricFamily* pf = out->add_families();
     pf->set_name(f.name);

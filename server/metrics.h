@@ -1,13 +1,16 @@
 // ServiceMetrics: what the server counts and measures, served in Prometheus' text format on
-// --metrics_listen (prometheus-cpp) and returned by the GetStats RPC from the same registry.
+// --metrics_listen (MetricsEndpoint) and returned by the GetStats RPC from the same sources:
+// the registry of counters and histograms, gauges read from the engine (pages, key-pool bytes,
+// sequences, failed devices), indexer_build_info, the process_* series (ProcessMetrics) and, on
+// the CUDA backend, the GPUs' memory and utilisation (GpuMetrics). docs/DEPLOY.md lists them.
 //
 // Thread-safe: every method may be called from any thread. Recording is lock-free counters and
-// histograms; gauges (pages, sequences, failed devices) are read from the engine when collected.
+// histograms; the gauges are read when collected.
 #pragma once
 
 #include <grpcpp/support/status.h>
+#include <prometheus/collectable.h>
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/family.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
@@ -16,6 +19,7 @@
 #include <vector>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -23,6 +27,8 @@
 #include "absl/time/time.h"
 #include "engine/engine.h"
 #include "indexer/v1/indexer.pb.h"
+#include "server/gpu_metrics.h"
+#include "server/metrics_endpoint.h"
 
 namespace indexer::server {
 
@@ -37,7 +43,9 @@ class ServiceMetrics final : public engine::EngineObserver {
   // the address cannot be bound.
   absl::Status Serve(const std::string& bind_address);
   // The bound port, once serving (0 otherwise).
-  int port() const { return port_; }
+  int port() const { return endpoint_ == nullptr ? 0 : endpoint_->port(); }
+  // What a scrape of /metrics answers, without serving it.
+  std::string Render() const;
 
   // One finished call of `rpc` (a string literal): its status, the time from arrival to answer,
   // and the part of it spent waiting for a handler thread.
@@ -62,6 +70,11 @@ class ServiceMetrics final : public engine::EngineObserver {
   // Every metric family, for GetStats.
   void Fill(v1::GetStatsResponse* out) const;
 
+  // Adds a source of families to the exposition and GetStats (the constructor adds the process
+  // series and, for CUDA devices, the GPU series). Call before Serve and before other threads
+  // use this object.
+  void AddSource(std::shared_ptr<prometheus::Collectable> source);
+
   // The `device` label of device d's per-device series ("cpu", "cuda", or "cuda:1" when there
   // are several), for log lines that should name a device as the metrics do.
   std::string DeviceLabel(int device) const;
@@ -72,8 +85,15 @@ class ServiceMetrics final : public engine::EngineObserver {
   prometheus::Counter& RequestCounter(absl::string_view rpc, grpc::StatusCode code);
   prometheus::Histogram& LatencyHistogram(absl::string_view rpc);
 
+  // Every source of families, in exposition order (registry_ first).
+  MetricsEndpoint::Sources Sources() const;
+  // The GPU series of the engine's CUDA devices, when there are any and NVML can be read.
+  void AddGpuSource();
+
+  const engine::Engine* engine_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<EngineGauges> gauges_;
+  std::vector<std::shared_ptr<prometheus::Collectable>> extra_sources_;  // process, GPUs
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& latency_;
   prometheus::Histogram& queued_;
@@ -95,8 +115,7 @@ class ServiceMetrics final : public engine::EngineObserver {
   mutable std::mutex mu_;
   absl::flat_hash_map<std::string, prometheus::Counter*> request_counters_;
   absl::flat_hash_map<std::string, prometheus::Histogram*> latency_histograms_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
-  int port_ = 0;
+  std::unique_ptr<MetricsEndpoint> endpoint_;
 };
 
 }  // namespace indexer::server

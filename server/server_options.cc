@@ -2,7 +2,8 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cstdlib>
+#include <cstring>
+#include <iterator>
 #include <thread>
 #include <vector>
 
@@ -15,8 +16,18 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "server/listen_address.h"
 
-ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address, host:port (port 0 picks one)");
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "gRPC listen address: host:port (port 0 picks one), or a Unix domain socket "
+          "unix:/path/to/socket (e.g. unix:/run/indexer/indexer.sock, for a client on the same "
+          "host or pod: no TCP stack in the way; the socket is made group-writable)");
+ABSL_FLAG(std::string, health_listen, "",
+          "Also serve grpc.health.v1, and nothing else, in plaintext on this host:port (e.g. "
+          "0.0.0.0:50052), for probes that cannot speak TLS or send tokens: the kubelet's gRPC "
+          "probe, Docker's HEALTHCHECK. It answers as the main listener does (SERVING, then "
+          "NOT_SERVING from a drain or a failed device on). Empty: off");
 ABSL_FLAG(std::string, device, "auto", "Backend: auto (CUDA if a GPU is usable, else CPU), cpu or cuda");
 ABSL_FLAG(std::string, devices, "all",
           "GPUs the cuda backend drives: all (every visible GPU) or ordinals such as 0,1. Each gets "
@@ -103,16 +114,231 @@ ABSL_FLAG(absl::Duration, idle_ttl, absl::ZeroDuration(),
 namespace indexer::server {
 namespace {
 
-const char* const kFlagNames[] = {
-    "listen", "device", "devices", "cpu_devices", "head_dim", "layers", "key_dtype", "capacity", "max_index_heads",
-    "max_topk", "topk", "init_blocks", "local_blocks", "pages_per_block", "block_page_stride",
-    "max_tokens_per_sequence", "max_query_tokens", "max_batch_items", "max_sequences", "cpu_threads",
-    "handler_threads", "handler_spin_us", "batching", "batch_max_tasks", "batch_max_delay_us", "batch_queue_bound",
-    "batch_max_inflight", "max_message_bytes", "drain_seconds", "not_serving_seconds", "log_level",
-    "tls_cert", "tls_key", "tls_client_ca", "token_file", "tenant_quota", "snapshot_dir",
-    "snapshot_on_shutdown", "restore", "metrics_listen", "idle_ttl"};
+// The client tools' variables (indexer-cli, indexer-bench), often exported in the same shell.
+const char* const kClientVariables[] = {"INDEXER_SERVER", "INDEXER_TOKEN"};
+
+std::string VariableOf(absl::string_view flag) {
+  return absl::StrCat("INDEXER_", absl::AsciiStrToUpper(flag));
+}
+
+bool IsServerFlag(absl::string_view name) {
+  for (const FlagSection& section : FlagSections()) {
+    for (const char* flag : section.flags) {
+      if (name == flag) return true;
+    }
+  }
+  return false;
+}
+
+// Edit distance, for "did you mean" (names are short).
+size_t Distance(absl::string_view a, absl::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string UnknownVariableWarning(absl::string_view variable) {
+  std::string nearest;
+  size_t best = 3;  // suggest only a name at most two edits away
+  const auto consider = [&](const std::string& known) {
+    const size_t d = Distance(variable, known);
+    if (d < best) best = d, nearest = known;
+  };
+  for (const FlagSection& section : FlagSections()) {
+    for (const char* flag : section.flags) consider(VariableOf(flag));
+  }
+  for (const EnvironmentSetting& e : EnvironmentSettings()) consider(e.variable);
+  return absl::StrCat(variable, " is not a setting of indexer-server and is ignored",
+                      nearest.empty() ? "" : absl::StrCat(" (did you mean ", nearest, "?)"),
+                      "; indexer-server --help lists the variables it reads");
+}
+
+// The listening addresses parse; whether they can be bound is IndexerServer::Start's check.
+absl::Status CheckListenSyntax(const ServerOptions& o) {
+  absl::StatusOr<ListenAddress> listen = ParseListenAddress(o.listen, "listen", true);
+  if (!listen.ok()) return listen.status();
+  if (!o.health_listen.empty()) {
+    absl::StatusOr<ListenAddress> a = ParseListenAddress(o.health_listen, "health_listen", true);
+    if (!a.ok()) return a.status();
+    const bool picks_a_port = !a->is_unix() && a->port == 0;
+    if (o.health_listen == o.listen && !picks_a_port) {
+      return absl::InvalidArgumentError(
+          "--health_listen must differ from --listen (it is a second listener)");
+    }
+  }
+  if (!o.metrics_listen.empty()) {
+    absl::StatusOr<ListenAddress> a = ParseListenAddress(o.metrics_listen, "metrics_listen", false);
+    if (!a.ok()) return a.status();
+  }
+  return absl::OkStatus();
+}
+
+// `text` folded into lines of at most `width` characters, each starting with `indent`.
+std::string Wrap(absl::string_view text, size_t width, absl::string_view indent) {
+  std::string out, line;
+  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (!line.empty() && indent.size() + line.size() + 1 + word.size() > width) {
+      absl::StrAppend(&out, indent, line, "\n");
+      line.clear();
+    }
+    absl::StrAppend(&line, line.empty() ? "" : " ", word);
+  }
+  if (!line.empty()) absl::StrAppend(&out, indent, line, "\n");
+  return out;
+}
 
 }  // namespace
+
+std::string HelpText() {
+  constexpr size_t kWidth = 100;
+  std::string out = Wrap(
+      "indexer-server: serves sparse-attention block selection (the MiniMax M3 lightning "
+      "indexer) over gRPC (proto/indexer/v1/indexer.proto).",
+      kWidth, "");
+  absl::StrAppend(&out, "\nUsage: indexer-server [flags]\n\n");
+  absl::StrAppend(&out, Wrap("Every flag can also be set by an environment variable "
+                             "INDEXER_<FLAG>, e.g. INDEXER_CAPACITY=4GiB; a flag on the command "
+                             "line wins. An INDEXER_ variable the server does not read is "
+                             "reported at start.",
+                             kWidth, ""));
+  for (const FlagSection& section : FlagSections()) {
+    absl::StrAppend(&out, "\n", section.title, ":\n");
+    for (const char* name : section.flags) {
+      const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+      if (flag == nullptr) continue;
+      const std::string value = flag->DefaultValue();
+      absl::StrAppend(&out, "  --", name, " (default: ", value.empty() ? "''" : value, ")\n",
+                      Wrap(flag->Help(), kWidth, "      "));
+    }
+  }
+  absl::StrAppend(&out, "\nEnvironment only (read by the CUDA backend at start):\n");
+  for (const EnvironmentSetting& e : EnvironmentSettings()) {
+    absl::StrAppend(&out, "  ", e.variable, " (default: ", e.default_value, "; ", e.min, " to ",
+                    e.max, ")\n", Wrap(e.help, kWidth, "      "));
+  }
+  absl::StrAppend(
+      &out, "\n",
+      Wrap("Signals: SIGINT or SIGTERM drain the server (health NOT_SERVING for "
+           "--not_serving_seconds, then in-flight calls finish for up to --drain_seconds) and "
+           "it exits.",
+           kWidth, ""),
+      Wrap("Exit status: 0 after a graceful shutdown; 1 the server could not start (an unknown "
+           "flag, a flag or INDEXER_ variable whose value does not parse, an address in use, a "
+           "backend, TLS, token file or restore failure) or the snapshot on shutdown failed; "
+           "2 a value was refused by the server's checks (out of range, or flags that do not go "
+           "together; the message names the flag or its variable).",
+           kWidth, ""));
+  return out;
+}
+
+const std::vector<FlagSection>& FlagSections() {
+  static const std::vector<FlagSection> sections = {
+      {"Listening", {"listen", "health_listen", "metrics_listen", "max_message_bytes"}},
+      {"Devices and the key pool",
+       {"device", "devices", "cpu_devices", "capacity", "head_dim", "layers", "key_dtype",
+        "cpu_threads"}},
+      {"Selection defaults and limits",
+       {"max_index_heads", "max_topk", "topk", "init_blocks", "local_blocks", "pages_per_block",
+        "block_page_stride", "max_tokens_per_sequence", "max_query_tokens", "max_batch_items",
+        "max_sequences"}},
+      {"Batching and threads",
+       {"batching", "batch_max_tasks", "batch_max_delay_us", "batch_queue_bound",
+        "batch_max_inflight", "handler_threads", "handler_spin_us"}},
+      {"Security and snapshots (docs/SECURITY.md)",
+       {"tls_cert", "tls_key", "tls_client_ca", "token_file", "tenant_quota", "snapshot_dir",
+        "snapshot_on_shutdown", "restore"}},
+      {"Operations", {"idle_ttl", "drain_seconds", "not_serving_seconds", "log_level"}},
+  };
+  return sections;
+}
+
+const std::vector<EnvironmentSetting>& EnvironmentSettings() {
+  static const std::vector<EnvironmentSetting> settings = {
+      {"INDEXER_CUDA_LANES", "2", 1, 8,
+       "CUDA backend: calls that run on a device at once (each lane has a stream and its own "
+       "staging buffers), and as many key-write lanes"},
+      {"INDEXER_CUDA_GRAPHS", "1", 0, 1,
+       "CUDA backend: 1 runs each selection step as one CUDA graph launch, 0 as plain launches"},
+  };
+  return settings;
+}
+
+absl::StatusOr<EnvironmentFlags> ApplyEnvironment(char** environment) {
+  EnvironmentFlags out;
+  for (char** entry = environment; entry != nullptr && *entry != nullptr; ++entry) {
+    const absl::string_view text = *entry;
+    const size_t eq = text.find('=');
+    if (!absl::StartsWith(text, "INDEXER_") || eq == absl::string_view::npos) continue;
+    const std::string variable(text.substr(0, eq));
+    const std::string value(text.substr(eq + 1));
+    const std::string flag = absl::AsciiStrToLower(variable.substr(std::strlen("INDEXER_")));
+    const bool known_other =
+        std::any_of(std::begin(kClientVariables), std::end(kClientVariables),
+                    [&](const char* v) { return variable == v; }) ||
+        std::any_of(EnvironmentSettings().begin(), EnvironmentSettings().end(),
+                    [&](const EnvironmentSetting& e) { return variable == e.variable; });
+    if (known_other) continue;
+    absl::CommandLineFlag* f = IsServerFlag(flag) ? absl::FindCommandLineFlag(flag) : nullptr;
+    if (f == nullptr) {
+      out.warnings.push_back(UnknownVariableWarning(variable));
+      continue;
+    }
+    std::string error;
+    if (!f->ParseFrom(value, &error)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(variable, "='", value, "' (the variable of --", flag, "): ", error));
+    }
+    out.flags.push_back(flag);
+  }
+  return out;
+}
+
+absl::Status CheckEnvironmentSettings(char** environment) {
+  for (char** entry = environment; entry != nullptr && *entry != nullptr; ++entry) {
+    const absl::string_view text = *entry;
+    for (const EnvironmentSetting& e : EnvironmentSettings()) {
+      const std::string prefix = absl::StrCat(e.variable, "=");
+      if (!absl::StartsWith(text, prefix)) continue;
+      const absl::string_view value = text.substr(prefix.size());
+      int n = 0;
+      if (!absl::SimpleAtoi(value, &n) || n < e.min || n > e.max) {
+        return absl::InvalidArgumentError(absl::StrCat(e.variable, " is '", value,
+                                                       "'; it must be an integer in [", e.min,
+                                                       ", ", e.max, "]"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string NameTheVariable(absl::string_view message, const EnvironmentFlags& environment,
+                            int argc, char** argv) {
+  absl::string_view rest = message;
+  if (!absl::ConsumePrefix(&rest, "--")) return std::string(message);
+  const size_t end = rest.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_");
+  const std::string flag(rest.substr(0, end));
+  if (std::find(environment.flags.begin(), environment.flags.end(), flag) ==
+      environment.flags.end()) {
+    return std::string(message);
+  }
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (!absl::ConsumePrefix(&arg, "--")) absl::ConsumePrefix(&arg, "-");
+    absl::ConsumePrefix(&arg, "no");
+    if (arg == flag || absl::StartsWith(arg, absl::StrCat(flag, "="))) return std::string(message);
+  }
+  return absl::StrCat(message, " (set by ", VariableOf(flag), ")");
+}
+
 
 absl::StatusOr<int64_t> ParseCapacity(absl::string_view text, int64_t bytes_per_page) {
   const std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
@@ -143,17 +369,6 @@ absl::StatusOr<int64_t> ParseCapacity(absl::string_view text, int64_t bytes_per_
       "capacity is '", text, "'; give a page count (8192) or a size such as 4GiB or 512MiB"));
 }
 
-std::vector<std::string> ArgsWithEnvironment(int argc, char** argv) {
-  std::vector<std::string> args;
-  args.emplace_back(argc > 0 ? argv[0] : "indexer-server");
-  for (const char* name : kFlagNames) {
-    const std::string var = absl::StrCat("INDEXER_", absl::AsciiStrToUpper(name));
-    if (const char* value = std::getenv(var.c_str())) args.push_back(absl::StrCat("--", name, "=", value));
-  }
-  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-  return args;
-}
-
 absl::StatusOr<std::vector<int>> ParseDevices(absl::string_view text) {
   const std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
   std::vector<int> out;
@@ -179,6 +394,9 @@ absl::StatusOr<std::vector<int>> ParseDevices(absl::string_view text) {
 absl::StatusOr<ServerOptions> OptionsFromFlags() {
   ServerOptions o;
   o.listen = absl::GetFlag(FLAGS_listen);
+  o.health_listen = absl::GetFlag(FLAGS_health_listen);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (absl::Status s = CheckListenSyntax(o); !s.ok()) return s;
   o.device = absl::GetFlag(FLAGS_device);
   absl::StatusOr<std::vector<int>> devices = ParseDevices(absl::GetFlag(FLAGS_devices));
   if (!devices.ok()) return devices.status();
@@ -271,7 +489,6 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.snapshot_dir = absl::GetFlag(FLAGS_snapshot_dir);
   o.snapshot_on_shutdown = absl::GetFlag(FLAGS_snapshot_on_shutdown);
   o.restore = absl::GetFlag(FLAGS_restore);
-  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   o.idle_ttl = absl::GetFlag(FLAGS_idle_ttl);
   if (o.idle_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("--idle_ttl is ", absl::FormatDuration(o.idle_ttl),
@@ -301,14 +518,14 @@ int HandlerThreads(const ServerOptions& o) {
 std::string Summary(const ServerOptions& o) {
   const engine::EngineConfig& e = o.engine;
   return absl::StrFormat(
-      "listen=%s device=%s devices=%s cpu_devices=%d head_dim=%d layers=%d key_dtype=%s "
+      "listen=%s health_listen=%s device=%s devices=%s cpu_devices=%d head_dim=%d layers=%d key_dtype=%s "
       "capacity=%d pages (%.2f GiB) per device "
       "max_index_heads=%d max_topk=%d topk=%d init_blocks=%d local_blocks=%d pages_per_block=%d "
       "block_page_stride=%d max_tokens_per_sequence=%d max_query_tokens=%d max_batch_items=%d "
       "max_sequences=%d batching=%s batch_max_tasks=%d batch_max_delay_us=%d batch_queue_bound=%d "
       "batch_max_inflight=%d handler_threads=%d handler_spin_us=%d max_message_bytes=%d tls=%s token_file=%s tenant_quota=%d pages snapshot_dir=%s "
       "snapshot_on_shutdown=%s restore=%s metrics_listen=%s idle_ttl=%s",
-      o.listen, o.device, o.devices.empty() ? "all" : absl::StrJoin(o.devices, ","),
+      o.listen, o.health_listen.empty() ? "off" : o.health_listen, o.device, o.devices.empty() ? "all" : absl::StrJoin(o.devices, ","),
       o.cpu_devices, e.head_dim, e.layers, engine::KeyStorageName(e.key_storage),
       e.capacity_pages, static_cast<double>(e.capacity_pages * e.BytesPerPage()) / (1 << 30),
       e.max_index_heads, e.max_topk, e.defaults.topk, e.defaults.init_blocks,

@@ -1,5 +1,7 @@
 // ServerOptions: everything indexer-server is configured with, and how it is read from flags
-// and environment variables (INDEXER_<FLAG NAME IN CAPITALS>; a flag on the command line wins).
+// and environment variables (INDEXER_<FLAG NAME IN CAPITALS>; a flag on the command line wins),
+// and what --help prints. main() calls, in order: ApplyEnvironment, absl::ParseCommandLine,
+// OptionsFromFlags, CheckEnvironmentSettings.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +16,8 @@
 namespace indexer::server {
 
 struct ServerOptions {
-  std::string listen = "0.0.0.0:50051";
+  std::string listen = "0.0.0.0:50051";  // host:port or unix:/path (ListenAddress)
+  std::string health_listen;       // plaintext grpc.health.v1 only; empty: off
   std::string device = "auto";     // auto | cpu | cuda
   std::vector<int> devices;        // CUDA ordinals to drive (--devices); empty: every visible GPU
   int cpu_devices = 1;             // simulated devices of the CPU backend (--cpu_devices)
@@ -52,9 +55,50 @@ absl::StatusOr<std::vector<int>> ParseDevices(absl::string_view text);
 // Reads the flags (after absl::ParseCommandLine) into options and validates them.
 absl::StatusOr<ServerOptions> OptionsFromFlags();
 
-// Before absl::ParseCommandLine: returns argv with one --flag=value for each INDEXER_* variable
-// that names a known flag, placed before the real arguments so that those win.
-std::vector<std::string> ArgsWithEnvironment(int argc, char** argv);
+// The flags of indexer-server in the sections --help prints them in. Every flag defined in
+// server_options.cc is in exactly one section (server_options_test checks).
+struct FlagSection {
+  const char* title;
+  std::vector<const char*> flags;
+};
+const std::vector<FlagSection>& FlagSections();
+
+// Variables the server reads that are not flags: the CUDA backend's, integers in [min, max].
+struct EnvironmentSetting {
+  const char* variable;
+  const char* default_value;
+  int min;
+  int max;
+  const char* help;
+};
+const std::vector<EnvironmentSetting>& EnvironmentSettings();
+
+// What ApplyEnvironment did.
+struct EnvironmentFlags {
+  std::vector<std::string> flags;     // the flags set from INDEXER_<FLAG> variables
+  std::vector<std::string> warnings;  // one line per INDEXER_ variable the server does not read
+};
+
+// Before absl::ParseCommandLine (which then overrides them with the command line): sets every
+// flag named by an INDEXER_<FLAG> variable of `environment` (NAME=value strings, null-terminated
+// like environ). The client tools' INDEXER_SERVER and INDEXER_TOKEN and EnvironmentSettings are
+// known and skipped; any other INDEXER_ variable gets a warning, with the nearest known name.
+// INVALID_ARGUMENT naming the variable and its flag when a value does not parse.
+absl::StatusOr<EnvironmentFlags> ApplyEnvironment(char** environment);
+
+// INVALID_ARGUMENT naming the variable when an EnvironmentSetting of `environment` is not an
+// integer in its range (the CUDA backend would ignore it).
+absl::Status CheckEnvironmentSettings(char** environment);
+
+// `message` (an error of OptionsFromFlags, which starts with the flag: "--capacity is ...") with
+// " (set by INDEXER_CAPACITY)" added when that flag's value came from the environment, not from
+// the command line argv.
+std::string NameTheVariable(absl::string_view message, const EnvironmentFlags& environment,
+                            int argc, char** argv);
+
+// What --help prints: the program's flags by section with defaults, the environment-only
+// settings, signals and exit status.
+std::string HelpText();
 
 // The handler threads the server runs: options.handler_threads, or when 0 enough for batching
 // to gather a full launch from single-sequence calls (each waiting call holds a thread):

@@ -31,6 +31,11 @@ void SetCommandLineUsage(absl::string_view flag_files, absl::string_view message
   };
   usage.contains_help_flags = ours;
   usage.contains_helpshort_flags = ours;
+  // "Flags from server/main.cc:", not the build machine's path to it.
+  usage.normalize_filename = [files = std::string(flag_files)](absl::string_view file) {
+    const size_t at = file.find(files);
+    return std::string(at == absl::string_view::npos ? file : file.substr(at));
+  };
   if (version) usage.version_string = std::move(version);
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(message);

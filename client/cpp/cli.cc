@@ -1,9 +1,9 @@
 // indexer-cli: talks to an indexer-server from the command line, through indexer_client.
 //
-//   indexer-cli [--server=host:port] <command> [flags]
+//   indexer-cli [--server=host:port | --server=unix:/path/to.sock] <command> [flags]
 //
-// Commands: info, health, append, select, get, fork, truncate, release, snapshot, demo (a short
-// decode workload that shows the service working and how fast it is). TLS and a bearer token
+// Commands: info, stats, health, append, select, get, fork, truncate, release, snapshot, demo (a
+// short decode workload that shows the service working and how fast it is). TLS and a bearer token
 // come from --tls* and --token (or $INDEXER_TOKEN). `indexer-cli --help` documents
 // every flag. Exit status: 0 ok, 1 an RPC failed (its status code name and message are
 // printed) or a result was malformed, 2 a usage error.
@@ -33,7 +33,8 @@
 #include "client/cpp/indexer_client.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051",
-          "Server address host:port (default: $INDEXER_SERVER when set, else 127.0.0.1:50051)");
+          "Server address: host:port, or unix:/path/to/socket for a server listening on a Unix "
+          "domain socket (default: $INDEXER_SERVER when set, else 127.0.0.1:50051)");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30), "Deadline of each call, e.g. 500ms, 30s");
 ABSL_FLAG(std::string, sequence, "", "Sequence id (append, select, get, fork, truncate, release)");
 ABSL_FLAG(int32_t, tokens, 0,
@@ -84,7 +85,7 @@ constexpr char kUsage[] =
     R"(indexer-cli: a command-line client of the indexer gRPC service (sparse-attention block
 selection, the MiniMax M3 lightning indexer).
 
-Usage: indexer-cli [--server=host:port] <command> [flags]
+Usage: indexer-cli [--server=host:port | --server=unix:/path/to/socket] <command> [flags]
 
 Commands:
   info       Print the server's configuration, capacity and backend (ServerInfo).
@@ -112,10 +113,12 @@ Examples:
   indexer-cli append --sequence=s1 --tokens=1000 --attention_pages=auto
   indexer-cli select --sequence=s1 --heads=2 --tokens=2 --topk=4
   indexer-cli demo --server=10.0.0.5:50051 --sequences=16 --steps=128
+  indexer-cli --server=unix:/run/indexer/indexer.sock health     # a co-located server
   INDEXER_TOKEN=... indexer-cli --server=idx.example:50051 --tls_ca=ca.pem info
 
-Exit status: 0 ok; 1 an RPC failed (its status code and message are printed) or a result was
-malformed; 2 usage error.
+Exit status: 0 ok (health: SERVING); 1 an RPC failed (its status code and message are printed),
+health is not SERVING, or a result was malformed; 2 a usage error (an unknown command or flag, a
+flag value that does not parse or is missing, an unreadable TLS file, an invalid --server).
 )";
 
 int UsageError(const std::string& message) {

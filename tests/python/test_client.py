@@ -261,7 +261,7 @@ class IndexerClientTest(unittest.TestCase):
         now = [v for labels, v in after["indexer_requests_total"]
                if labels == {"rpc": "ServerInfo", "code": "OK"}]
         self.assertEqual(now[0], (ok[0] if ok else 0) + 1)
-        (_, total), = after["indexer_pages_total"]
+        (_, total), = after["indexer_pages_capacity"]
         self.assertEqual(total, CAPACITY)
         self.assertIn("indexer_backend_select_seconds", after)
 
@@ -591,16 +591,18 @@ class IndexerClientTest(unittest.TestCase):
         self.assertIn("cannot listen", log)
 
     def test_unusable_listen_address_fails_cleanly(self):
-        # Startup failure is an error message and exit status 1, not a crash.
+        # Startup failure is an error message and exit status 1 (a busy address) or 2 (a value
+        # refused: a malformed address), not a crash.
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
-            for listen in (f"127.0.0.1:{taken.getsockname()[1]}", "not-an-address:port"):
+            for listen, code, message in ((f"127.0.0.1:{taken.getsockname()[1]}", 1, "cannot listen"),
+                                          ("not-an-address:port", 2, "--listen is")):
                 run = subprocess.run([server_binary(), "--device=cpu",
                                       f"--listen={listen}", "--capacity=1"],
                                      capture_output=True, text=True, timeout=20)
-                self.assertEqual(run.returncode, 1, f"--listen={listen}: {run.stdout}{run.stderr}")
-                self.assertIn("cannot listen", run.stdout + run.stderr)
+                self.assertEqual(run.returncode, code, f"--listen={listen}: {run.stdout}{run.stderr}")
+                self.assertIn(message, run.stdout + run.stderr)
 
     def test_huge_start_position_is_refused(self):
         # p0 + n must not overflow int64 in the span check. Own server: this one may crash.

@@ -1,6 +1,7 @@
-// The real binaries: indexer-server's flag checking and its SIGTERM drain, and indexer-cli
-// against a running server. Paths come from INDEXER_SERVER_BINARY / INDEXER_CLI_BINARY, which
-// tests/server/CMakeLists.txt sets.
+// The real binaries: indexer-server's flag and environment checking, --help, its start-up
+// errors and SIGTERM drain, a Unix-socket listener, and indexer-cli against a running server
+// (over TCP and over a Unix socket). Paths come from INDEXER_SERVER_BINARY / INDEXER_CLI_BINARY,
+// which tests/server/CMakeLists.txt sets.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <regex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +25,7 @@ namespace indexer::client {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string BinaryPath(const char* variable) {
   const char* path = std::getenv(variable);
@@ -58,6 +61,112 @@ TEST_F(BinaryTest, BadFlagValuesExitWithStatus2NamingTheFlag) {
     EXPECT_EQ(r.code, 2) << flag << ":\n" << r.output;
     EXPECT_THAT(r.output, HasSubstr(name)) << flag;
   }
+}
+
+// What a start-up failure must not print: gRPC's own error dump before the clean message.
+void ExpectNoGrpcDump(const std::string& output) {
+  for (const char* dump : {"created\":", "created_time", "No address added", "Failed to add",
+                           "server_builder.cc", "chttp2_server.cc", "tcp_server"}) {
+    EXPECT_THAT(output, Not(HasSubstr(dump))) << output;
+  }
+}
+
+TEST_F(BinaryTest, AnAddressInUseGivesOneCleanMessage) {
+  int port = 0;
+  std::unique_ptr<Child> first = StartServerBinary({"--capacity=64", "--metrics_listen=127.0.0.1:0"}, &port);
+  ASSERT_NE(first, nullptr);
+  const std::string taken = absl::StrCat("127.0.0.1:", port);
+  RunResult r = RunToEnd({server_, "--device=cpu", "--capacity=64", "--listen=" + taken});
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat("--listen: cannot listen on ", taken,
+                                               ": address in use (is another server running?)")));
+  ExpectNoGrpcDump(r.output);
+  r = RunToEnd({server_, "--device=cpu", "--capacity=64", "--listen=127.0.0.1:0",
+                "--health_listen=" + taken});
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--health_listen: cannot listen on"));
+  ExpectNoGrpcDump(r.output);
+  r = RunToEnd({server_, "--device=cpu", "--capacity=64", "--listen=127.0.0.1:0",
+                "--metrics_listen=" + taken});
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--metrics_listen: cannot listen on"));
+  kill(first->pid(), SIGTERM);
+  EXPECT_EQ(first->Wait(absl::Seconds(20)), std::optional<int>(0));
+}
+
+TEST_F(BinaryTest, HelpPrintsTheProgramsOwnSections) {
+  for (const char* flag : {"--help", "--helpfull", "-h"}) {
+    const RunResult r = RunToEnd({server_, flag});
+    EXPECT_EQ(r.code, 0) << flag;
+    EXPECT_THAT(r.output, HasSubstr("Usage: indexer-server [flags]")) << flag;
+    EXPECT_THAT(r.output, HasSubstr("\nListening:\n  --listen (default: 0.0.0.0:50051)")) << flag;
+    EXPECT_THAT(r.output, HasSubstr("INDEXER_CUDA_LANES")) << flag;
+    EXPECT_THAT(r.output, HasSubstr("INDEXER_CUDA_GRAPHS")) << flag;
+    EXPECT_THAT(r.output, Not(HasSubstr("Flags from"))) << flag;
+    EXPECT_THAT(r.output, Not(HasSubstr("/server/"))) << "a build path in:\n" << r.output;
+  }
+  const RunResult version = RunToEnd({server_, "--version"});
+  EXPECT_EQ(version.code, 0);
+  EXPECT_THAT(version.output, HasSubstr("indexer-server "));
+}
+
+TEST_F(BinaryTest, EnvironmentVariablesAreCheckedAndNamed) {
+  // A value that does not parse: like the same value on the command line (exit 1), named.
+  RunResult r = RunToEnd({server_, "--device=cpu"}, {"INDEXER_HEAD_DIM=abc"});
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("INDEXER_HEAD_DIM='abc' (the variable of --head_dim)"));
+  // A value out of range (exit 2), named by its variable.
+  r = RunToEnd({server_, "--device=cpu"}, {"INDEXER_HEAD_DIM=100"});
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--head_dim is 100; it must be 64, 128 or 256 (set by INDEXER_HEAD_DIM)"));
+  r = RunToEnd({server_, "--device=cpu"}, {"INDEXER_CUDA_LANES=9"});
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("INDEXER_CUDA_LANES is '9'; it must be an integer in [1, 8]"));
+  // A misspelt variable: a warning at start, and the server runs.
+  int port = 0;
+  std::vector<std::string> argv = {server_, "--listen=127.0.0.1:0", "--device=cpu"};
+  Child child(argv, {"INDEXER_CAPACTIY=64", "INDEXER_CAPACITY=64"});
+  ASSERT_TRUE(WaitForServingPort(child, absl::Seconds(20)).has_value()) << child.Log();
+  EXPECT_THAT(child.Log(), HasSubstr("INDEXER_CAPACTIY is not a setting of indexer-server and is "
+                                     "ignored (did you mean INDEXER_CAPACITY?)"));
+  EXPECT_THAT(child.Log(), HasSubstr("capacity=64 pages"));
+  (void)port;
+  kill(child.pid(), SIGTERM);
+  EXPECT_EQ(child.Wait(absl::Seconds(20)), std::optional<int>(0));
+}
+
+TEST_F(BinaryTest, ServesOnAUnixSocketAndTheCliReachesIt) {
+  char templ[] = "/tmp/indexer-sock-XXXXXX";
+  const std::string dir = mkdtemp(templ);
+  const std::string socket = dir + "/indexer.sock";
+  Child server({server_, "--listen=unix:" + socket, "--device=cpu", "--capacity=64",
+                "--head_dim=64"});
+  const std::regex serving("serving on (\\S+):");
+  std::smatch m;
+  std::string log;
+  for (int i = 0; i < 2000 && !std::regex_search(log, m, serving); ++i) {
+    ASSERT_FALSE(server.Wait(absl::ZeroDuration()).has_value()) << server.Log();
+    absl::SleepFor(absl::Milliseconds(10));
+    log = server.Log();
+  }
+  ASSERT_TRUE(std::regex_search(log, m, serving)) << log;
+  EXPECT_EQ(m[1], "unix:" + socket) << "the start-up line names the socket, not 'port 1'";
+  EXPECT_THAT(log, Not(HasSubstr("port 1:")));
+  if (!cli_.empty()) {
+    const RunResult health = RunToEnd({cli_, "--server=unix:" + socket, "health"});
+    EXPECT_EQ(health.code, 0) << health.output;
+    EXPECT_THAT(health.output, HasSubstr("SERVING"));
+    const RunResult info = RunToEnd({cli_, "info"}, {"INDEXER_SERVER=unix://" + socket});
+    EXPECT_EQ(info.code, 0) << info.output;
+    EXPECT_THAT(info.output, HasSubstr("head_dim              64"));
+    const RunResult demo = RunToEnd({cli_, "--server=unix:" + socket, "demo", "--sequences=2",
+                                     "--tokens=300", "--steps=2", "--chunk=128"});
+    EXPECT_EQ(demo.code, 0) << demo.output;
+  }
+  kill(server.pid(), SIGTERM);
+  EXPECT_EQ(server.Wait(absl::Seconds(20)), std::optional<int>(0)) << server.Log();
+  EXPECT_NE(access(socket.c_str(), F_OK), 0) << "the socket file is removed at exit";
+  rmdir(dir.c_str());
 }
 
 TEST_F(BinaryTest, UnparsableFlagsExitNonZeroNamingTheFlag) {
@@ -179,7 +288,10 @@ TEST_F(BinaryTest, CliTalksToTheServer) {
       {{"truncate", "--sequence=c1"}, 2, "--length"},
       {{}, 2, "no command"},
       {{"--help"}, 0, "demo"},
+      {{"--help"}, 0, "unix:/path/to/socket"},
+      {{"--help"}, 0, "Exit status: 0 ok"},
       {{"--server=127.0.0.1:1", "info"}, 1, "UNAVAILABLE"},
+      {{"--server=unix:/nonexistent/indexer.sock", "info"}, 1, "UNAVAILABLE"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> argv = {cli_};

@@ -1,21 +1,61 @@
-// Metrics (the Prometheus endpoint and GetStats, which read one registry) and the idle-sequence
-// TTL, against an in-process server.
+// Metrics (the Prometheus endpoint and GetStats, which read the same sources) and the
+// idle-sequence TTL, against an in-process server; the exposition checked by promtool (Debian's
+// prometheus package, installed by scripts/setup.sh).
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <map>
+#include <optional>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "engine/backend_factory.h"
+#include "server/gpu_metrics.h"
+#include "server/metrics.h"
+#include "server/metrics_endpoint.h"
 #include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
+
+// Runs `promtool check metrics` on `exposition`: its exit code and output (nullopt, and a test
+// failure, when promtool is missing).
+struct Promtool {
+  int code = -1;
+  std::string output;
+};
+std::optional<Promtool> CheckWithPromtool(const std::string& exposition) {
+  if (std::system("command -v promtool >/dev/null 2>&1") != 0) {
+    ADD_FAILURE() << "promtool is missing: run scripts/setup.sh (Debian package prometheus)";
+    return std::nullopt;
+  }
+  char path[] = "/tmp/indexer-metrics-XXXXXX";
+  const int fd = mkstemp(path);
+  if (fd < 0) return std::nullopt;
+  close(fd);
+  std::ofstream(path) << exposition;
+  FILE* p = popen(absl::StrCat("promtool check metrics < ", path, " 2>&1").c_str(), "r");
+  Promtool r;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), p)) > 0;) r.output.append(buf, n);
+  const int status = pclose(p);
+  unlink(path);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
 
 class MetricsTest : public ServerTest {
  protected:
@@ -56,7 +96,7 @@ TEST_F(MetricsTest, GetStatsAndTheEndpointCountEveryCall) {
   const int64_t used = options_.engine.capacity_pages - FreePages();
   EXPECT_EQ(used, 5);
   EXPECT_EQ(StatValue(*stats, "indexer_pages_used", {{"device", "cpu"}}), used);
-  EXPECT_EQ(StatValue(*stats, "indexer_pages_total", {{"device", "cpu"}}), options_.engine.capacity_pages);
+  EXPECT_EQ(StatValue(*stats, "indexer_pages_capacity", {{"device", "cpu"}}), options_.engine.capacity_pages);
   EXPECT_EQ(StatValue(*stats, "indexer_live_sequences", {}), 3);
 
   // The Prometheus endpoint serves the same registry.
@@ -167,8 +207,8 @@ TEST_F(MultiDeviceMetricsTest, PagesArePerDeviceAndSequencesSpreadOverBoth) {
   }
   absl::StatusOr<v1::GetStatsResponse> stats = client_->GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
-  EXPECT_EQ(StatValue(*stats, "indexer_pages_total", {{"device", "cpu:0"}}), 32);
-  EXPECT_EQ(StatValue(*stats, "indexer_pages_total", {{"device", "cpu:1"}}), 32);
+  EXPECT_EQ(StatValue(*stats, "indexer_pages_capacity", {{"device", "cpu:0"}}), 32);
+  EXPECT_EQ(StatValue(*stats, "indexer_pages_capacity", {{"device", "cpu:1"}}), 32);
   EXPECT_EQ(StatValue(*stats, "indexer_pages_used", {{"device", "cpu:0"}}), 3);
   EXPECT_EQ(StatValue(*stats, "indexer_pages_used", {{"device", "cpu:1"}}), 1);
   EXPECT_EQ(StatValue(*stats, "indexer_batch_queued", {{"device", "cpu:1"}}), 0);
@@ -206,6 +246,115 @@ TEST_F(IdleTtlTest, ReleasesOnlySequencesNoCallNamed) {
   absl::StatusOr<v1::GetStatsResponse> stats = client_->GetStats();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(StatValue(*stats, "indexer_sequences_reclaimed_total", {}), 1);
+}
+
+TEST(Promtool, FindsWhatItShould) {
+  // The check below means something only if promtool complains about a bad exposition.
+  std::optional<Promtool> bad = CheckWithPromtool(
+      "# HELP indexer_things_total Things.\n# TYPE indexer_things_total gauge\n"
+      "indexer_things_total 1\n");
+  ASSERT_TRUE(bad.has_value());
+  EXPECT_THAT(bad->output, HasSubstr("non-counter metrics should not have \"_total\" suffix"));
+}
+
+TEST_F(MetricsTest, TheLiveEndpointPassesPromtool) {
+  ASSERT_NO_FATAL_FAILURE(AppendRandom("p", 0, 300));
+  std::vector<float> q;
+  ASSERT_TRUE(client_->SelectBlocks(RandomSelect("p", 0, 2, 1, &q)).ok());
+  EXPECT_EQ(client_->GetSequence("missing").status().code(), absl::StatusCode::kNotFound);
+  ScrapeMetrics(server_->metrics_port());  // an earlier scrape: nothing of the endpoint's own
+  const std::string text = ScrapeMetrics(server_->metrics_port());
+  ASSERT_THAT(text, HasSubstr("indexer_requests_total"));
+  std::optional<Promtool> check = CheckWithPromtool(text);
+  ASSERT_TRUE(check.has_value());
+  EXPECT_EQ(check->code, 0) << check->output << "\n" << text;
+  EXPECT_EQ(check->output, "") << text;
+
+  EXPECT_THAT(text, Not(HasSubstr("exposer_"))) << "the endpoint adds no series of its own";
+  EXPECT_THAT(text, Not(HasSubstr("Nan")));
+  EXPECT_THAT(text, Not(HasSubstr("indexer_pages_total"))) << "renamed indexer_pages_capacity";
+  // Bucket bounds print as written: no 8.000000000000001e-05.
+  const std::regex le("le=\"([^\"]*)\"");
+  int buckets = 0;
+  for (std::sregex_iterator it(text.begin(), text.end(), le), end; it != end; ++it, ++buckets) {
+    const std::string bound = (*it)[1];
+    EXPECT_TRUE(bound == "+Inf" || bound.size() <= 6) << "le=\"" << bound << "\"";
+  }
+  EXPECT_GT(buckets, 20);
+  EXPECT_THAT(text, HasSubstr("indexer_backend_select_seconds_bucket{le=\"5e-05\"}"));
+}
+
+TEST_F(MetricsTest, BuildProcessAndKeyPoolSeries) {
+  ASSERT_NO_FATAL_FAILURE(AppendRandom("k", 0, 300));  // 3 pages
+  absl::StatusOr<v1::GetStatsResponse> stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(StatValue(*stats, "indexer_build_info",
+                      {{"version", server::Version()},
+                       {"backend", "cpu"},
+                       {"cuda_built", engine::BuiltWithCuda() ? "true" : "false"}}),
+            1);
+  const double page = static_cast<double>(options_.engine.BytesPerPage());
+  EXPECT_EQ(StatValue(*stats, "indexer_key_pool_bytes", {{"device", "cpu"}}),
+            page * static_cast<double>(options_.engine.capacity_pages));
+  EXPECT_EQ(StatValue(*stats, "indexer_key_pool_used_bytes", {{"device", "cpu"}}), 3 * page);
+
+  const double rss = StatValue(*stats, "process_resident_memory_bytes", {});
+  EXPECT_GT(rss, 1 << 20);
+  EXPECT_GE(StatValue(*stats, "process_virtual_memory_bytes", {}), rss);
+  const double fds = StatValue(*stats, "process_open_fds", {});
+  EXPECT_GE(fds, 3) << "stdin, stdout, stderr at least";
+  EXPECT_LT(fds, StatValue(*stats, "process_max_fds", {}));
+  EXPECT_GT(StatValue(*stats, "process_cpu_seconds_total", {}), 0);
+  const double started = StatValue(*stats, "process_start_time_seconds", {});
+  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  EXPECT_LE(started, now + 1);
+  EXPECT_GT(started, now - 24 * 3600) << "this test process started within the day";
+}
+
+// A probe answering for ordinals 0 (everything) and 1 (memory only, as a MIG instance does).
+class FakeGpuProbe final : public server::GpuProbe {
+ public:
+  std::optional<server::GpuSample> Sample(int ordinal) const override {
+    server::GpuSample s;
+    if (ordinal > 1) return std::nullopt;
+    s.memory_used_bytes = 1.5e9 + ordinal;
+    s.memory_total_bytes = 150e9;
+    if (ordinal == 0) {
+      s.utilization = 0.25;
+      s.memory_utilization = 0.5;
+    }
+    return s;
+  }
+};
+
+TEST_F(MetricsTest, GpuSeriesComeFromTheProbePerDevice) {
+  auto gpus = std::make_shared<server::GpuMetrics>(
+      std::vector<server::GpuMetrics::Device>{{"cuda:0", 0}, {"cuda:1", 1}, {"cuda:2", 2}},
+      std::make_unique<FakeGpuProbe>());
+  server::ServiceMetrics metrics(&server_->engine(), "cpu");
+  metrics.AddSource(gpus);
+  const std::string text = metrics.Render();
+  EXPECT_THAT(text, HasSubstr("indexer_gpu_memory_used_bytes{device=\"cuda:0\"} 1500000000\n"));
+  EXPECT_THAT(text, HasSubstr("indexer_gpu_memory_used_bytes{device=\"cuda:1\"} 1500000001\n"));
+  EXPECT_THAT(text, HasSubstr("indexer_gpu_memory_total_bytes{device=\"cuda:1\"} 150000000000\n"));
+  EXPECT_THAT(text, HasSubstr("indexer_gpu_utilization_ratio{device=\"cuda:0\"} 0.25\n"));
+  EXPECT_THAT(text, HasSubstr("indexer_gpu_memory_utilization_ratio{device=\"cuda:0\"} 0.5\n"));
+  EXPECT_THAT(text, Not(HasSubstr("indexer_gpu_utilization_ratio{device=\"cuda:1\"}")))
+      << "a value the probe cannot read is left out";
+  EXPECT_THAT(text, Not(HasSubstr("cuda:2"))) << "a device the probe cannot read is left out";
+  std::optional<Promtool> check = CheckWithPromtool(text);
+  ASSERT_TRUE(check.has_value());
+  EXPECT_EQ(check->code, 0) << check->output;
+
+  v1::GetStatsResponse stats;
+  metrics.Fill(&stats);
+  EXPECT_EQ(StatValue(stats, "indexer_gpu_memory_total_bytes", {{"device", "cuda:0"}}), 150e9);
+  // A CPU-only build has no probe; the CPU server here none of these series.
+  if (!engine::BuiltWithCuda()) {
+    EXPECT_EQ(server::OpenGpuProbe(), nullptr);
+  }
+  EXPECT_THAT(server::MetricsEndpoint::Render({}), "");
+  EXPECT_THAT(ScrapeMetrics(server_->metrics_port()), Not(HasSubstr("indexer_gpu_")));
 }
 
 }  // namespace

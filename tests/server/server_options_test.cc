@@ -1,10 +1,13 @@
 // ServerOptions from flags and INDEXER_* variables: the batching flags' defaults, validation
-// messages, environment names, the handler-thread rule and the startup summary.
+// messages, environment variables (set, refused, unknown), the handler-thread rule, the startup
+// summary and --help.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -12,7 +15,9 @@
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "server/server_options.h"
 
 ABSL_DECLARE_FLAG(bool, batching);
@@ -23,12 +28,31 @@ ABSL_DECLARE_FLAG(int32_t, batch_max_inflight);
 ABSL_DECLARE_FLAG(std::string, devices);
 ABSL_DECLARE_FLAG(int32_t, cpu_devices);
 ABSL_DECLARE_FLAG(int32_t, handler_spin_us);
+ABSL_DECLARE_FLAG(int32_t, head_dim);
+ABSL_DECLARE_FLAG(std::string, listen);
+ABSL_DECLARE_FLAG(std::string, health_listen);
+ABSL_DECLARE_FLAG(std::string, metrics_listen);
 
 namespace indexer::server {
 namespace {
 
 using ::testing::Contains;
 using ::testing::HasSubstr;
+using ::testing::Not;
+
+// NAME=value strings as a null-terminated array, like environ.
+class Environment {
+ public:
+  Environment(std::initializer_list<const char*> entries) : strings_(entries.begin(), entries.end()) {
+    for (std::string& s : strings_) pointers_.push_back(s.data());
+    pointers_.push_back(nullptr);
+  }
+  char** get() { return pointers_.data(); }
+
+ private:
+  std::vector<std::string> strings_;
+  std::vector<char*> pointers_;
+};
 
 class OptionsTest : public ::testing::Test {
  protected:
@@ -102,24 +126,111 @@ TEST_F(OptionsTest, HandlerSpinDefaultRangeAndEnvironment) {
     EXPECT_THAT(std::string(o.status().message()),
                 HasSubstr(absl::StrCat("--handler_spin_us is ", bad, "; it must be in [0, 10000]")));
   }
-  setenv("INDEXER_HANDLER_SPIN_US", "50", 1);
-  char arg0[] = "indexer-server";
-  char* argv[] = {arg0};
-  const std::vector<std::string> args = ArgsWithEnvironment(1, argv);
-  unsetenv("INDEXER_HANDLER_SPIN_US");
-  EXPECT_THAT(args, Contains("--handler_spin_us=50"));
+  Environment env({"INDEXER_HANDLER_SPIN_US=50"});
+  absl::StatusOr<EnvironmentFlags> applied = ApplyEnvironment(env.get());
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_THAT(applied->flags, Contains("handler_spin_us"));
+  EXPECT_EQ(absl::GetFlag(FLAGS_handler_spin_us), 50);
 }
 
 TEST_F(OptionsTest, EnvironmentVariablesNameTheBatchingFlags) {
-  setenv("INDEXER_BATCH_MAX_TASKS", "64", 1);
-  setenv("INDEXER_BATCHING", "false", 1);
+  Environment env({"INDEXER_BATCH_MAX_TASKS=64", "INDEXER_BATCHING=false", "PATH=/usr/bin"});
+  absl::StatusOr<EnvironmentFlags> applied = ApplyEnvironment(env.get());
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(absl::GetFlag(FLAGS_batch_max_tasks), 64);
+  EXPECT_FALSE(absl::GetFlag(FLAGS_batching));
+  EXPECT_TRUE(applied->warnings.empty());
+}
+
+TEST_F(OptionsTest, AnEnvironmentValueThatDoesNotParseNamesTheVariable) {
+  Environment env({"INDEXER_HEAD_DIM=abc"});
+  absl::StatusOr<EnvironmentFlags> applied = ApplyEnvironment(env.get());
+  EXPECT_EQ(applied.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(applied.status().message()),
+              HasSubstr("INDEXER_HEAD_DIM='abc' (the variable of --head_dim)"));
+}
+
+TEST_F(OptionsTest, UnknownVariablesAreWarnedAboutWithTheNearestName) {
+  Environment env({"INDEXER_CAPACTIY=4GiB", "INDEXER_NO_SUCH_THING=1", "INDEXER_SERVER=x:1",
+                   "INDEXER_TOKEN=t", "INDEXER_CUDA_LANES=4", "INDEXER_CUDA_GRAPH=0"});
+  absl::StatusOr<EnvironmentFlags> applied = ApplyEnvironment(env.get());
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_TRUE(applied->flags.empty());
+  ASSERT_EQ(applied->warnings.size(), 3u) << "the client tools' and the CUDA backend's are known";
+  EXPECT_THAT(applied->warnings[0],
+              HasSubstr("INDEXER_CAPACTIY is not a setting of indexer-server and is ignored (did "
+                        "you mean INDEXER_CAPACITY?)"));
+  EXPECT_THAT(applied->warnings[1], HasSubstr("INDEXER_NO_SUCH_THING is not a setting"));
+  EXPECT_THAT(applied->warnings[1], Not(HasSubstr("did you mean")));
+  EXPECT_THAT(applied->warnings[2], HasSubstr("did you mean INDEXER_CUDA_GRAPHS?"));
+}
+
+TEST_F(OptionsTest, EnvironmentSettingsOutOfRangeAreRefused) {
+  EXPECT_TRUE(CheckEnvironmentSettings(Environment({"INDEXER_CUDA_LANES=8"}).get()).ok());
+  for (const char* bad : {"INDEXER_CUDA_LANES=9", "INDEXER_CUDA_LANES=two", "INDEXER_CUDA_GRAPHS=2"}) {
+    const absl::Status s = CheckEnvironmentSettings(Environment({bad}).get());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(std::string(bad).substr(0, std::string(bad).find('='))));
+  }
+}
+
+TEST_F(OptionsTest, RefusedValuesNameTheVariableThatSetThem) {
+  EnvironmentFlags env;
+  env.flags = {"head_dim"};
   char arg0[] = "indexer-server";
-  char* argv[] = {arg0};
-  const std::vector<std::string> args = ArgsWithEnvironment(1, argv);
-  unsetenv("INDEXER_BATCH_MAX_TASKS");
-  unsetenv("INDEXER_BATCHING");
-  EXPECT_THAT(args, Contains("--batch_max_tasks=64"));
-  EXPECT_THAT(args, Contains("--batching=false"));
+  char flag[] = "--head_dim=100";
+  char* from_env[] = {arg0};
+  char* from_line[] = {arg0, flag};
+  const std::string message = "--head_dim is 100; it must be 64, 128 or 256";
+  EXPECT_EQ(NameTheVariable(message, env, 1, from_env), message + " (set by INDEXER_HEAD_DIM)");
+  EXPECT_EQ(NameTheVariable(message, env, 2, from_line), message);
+  EXPECT_EQ(NameTheVariable("--capacity is 0", env, 1, from_env), "--capacity is 0");
+}
+
+TEST_F(OptionsTest, ListenAddressesAreCheckedByTheirFlag) {
+  absl::SetFlag(&FLAGS_listen, "localhost");
+  EXPECT_THAT(std::string(OptionsFromFlags().status().message()), HasSubstr("--listen is 'localhost'"));
+  absl::SetFlag(&FLAGS_listen, "unix:/run/indexer/indexer.sock");
+  absl::StatusOr<ServerOptions> o = OptionsFromFlags();
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->listen, "unix:/run/indexer/indexer.sock");
+  absl::SetFlag(&FLAGS_health_listen, "unix:/run/indexer/indexer.sock");
+  EXPECT_THAT(std::string(OptionsFromFlags().status().message()), HasSubstr("--health_listen must differ"));
+  absl::SetFlag(&FLAGS_health_listen, "0.0.0.0:50052");
+  o = OptionsFromFlags();
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_THAT(Summary(*o), HasSubstr("listen=unix:/run/indexer/indexer.sock health_listen=0.0.0.0:50052"));
+  absl::SetFlag(&FLAGS_metrics_listen, "unix:/tmp/m.sock");
+  EXPECT_THAT(std::string(OptionsFromFlags().status().message()), HasSubstr("--metrics_listen"));
+}
+
+TEST(Help, EveryFlagIsInExactlyOneSection) {
+  std::map<std::string, int> seen;
+  for (const FlagSection& section : FlagSections()) {
+    for (const char* flag : section.flags) ++seen[flag];
+  }
+  int ours = 0;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (!absl::StrContains(flag->Filename(), "server/server_options.cc")) continue;
+    ++ours;
+    EXPECT_EQ(seen[std::string(name)], 1) << "--" << name;
+  }
+  EXPECT_EQ(ours, static_cast<int>(seen.size())) << "a section names a flag that does not exist";
+}
+
+TEST(Help, PrintsTheProgramsSectionsNotBuildPaths) {
+  const std::string help = HelpText();
+  EXPECT_THAT(help, Not(HasSubstr("Flags from")));
+  EXPECT_THAT(help, Not(HasSubstr(".cc")));
+  for (const FlagSection& section : FlagSections()) {
+    EXPECT_THAT(help, HasSubstr(absl::StrCat("\n", section.title, ":\n")));
+    for (const char* flag : section.flags) EXPECT_THAT(help, HasSubstr(absl::StrCat("  --", flag, " (default: ")));
+  }
+  EXPECT_THAT(help, HasSubstr("INDEXER_CUDA_LANES (default: 2; 1 to 8)"));
+  EXPECT_THAT(help, HasSubstr("INDEXER_CUDA_GRAPHS (default: 1; 0 to 1)"));
+  EXPECT_THAT(help, HasSubstr("unix:/path/to/socket"));
+  EXPECT_THAT(help, HasSubstr("Exit status: 0 after a graceful shutdown; 1 the server could not start"));
+  for (absl::string_view line : absl::StrSplit(help, '\n')) EXPECT_LE(line.size(), 100u) << line;
 }
 
 TEST_F(OptionsTest, HandlerThreadsLeaveRoomForAFullBatch) {

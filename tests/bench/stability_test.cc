@@ -1,11 +1,13 @@
-// The stability check (client/bench/stability.h), the recorder's windows it judges, and the
-// back-off and outage tracking of unreachable servers (backoff.h).
+// The stability check (client/bench/stability.h), the recorder's windows it judges, the warnings
+// about identical sweep stages that disagree (runner.h), and the back-off and outage tracking of
+// unreachable servers (backoff.h).
 #include "client/bench/stability.h"
 
 #include <gtest/gtest.h>
 
 #include "client/bench/backoff.h"
 #include "client/bench/recorder.h"
+#include "client/bench/runner.h"
 
 namespace indexer::bench {
 namespace {
@@ -84,6 +86,34 @@ TEST(StabilityTest, RecorderCutsTheMeasuredTimeIntoWindows) {
   w = recorder.Windows(3, 0.5, at(1.04));
   ASSERT_EQ(w.size(), 1u);
   EXPECT_NEAR(w[0].start_s, 0.5, 1e-9);
+}
+
+StageResult Stage(const std::string& label, int64_t ok, double seconds, int64_t p50_ns) {
+  StageResult r;
+  r.setup.label = label;
+  r.measured_s = seconds;
+  OpTotals& d = r.ops[static_cast<int>(Op::kDecode)];
+  d.ok = ok;
+  d.latency.Record(p50_ns, ok);
+  return r;
+}
+
+TEST(StabilityTest, IdenticalStagesThatDisagreeAreWarnedAbout) {
+  const std::vector<StageResult> stages = {
+      Stage("concurrency 1", 1000, 1, 2'000'000), Stage("concurrency 2", 1500, 1, 3'000'000),
+      Stage("concurrency 1", 700, 1, 2'050'000), Stage("concurrency 2", 1510, 1, 3'010'000)};
+  std::vector<std::string> w = IdenticalStageWarnings(stages, 10);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_NE(w[0].find("stages 1, 3 (concurrency 1)"), std::string::npos) << w[0];
+  EXPECT_NE(w[0].find("700.0 to 1000.0 req/s (43%)"), std::string::npos) << w[0];
+  EXPECT_TRUE(IdenticalStageWarnings(stages, 50).empty());
+  EXPECT_TRUE(IdenticalStageWarnings(stages, 0).empty());  // the check is off
+
+  std::vector<StageResult> one = {stages[0]};
+  one[0].stability = JudgeStability({Window(100, 2), Window(150, 2), Window(100, 2)}, 10, 3);
+  w = RunWarnings(one, 10);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_NE(w[0].find("did not settle"), std::string::npos) << w[0];
 }
 
 TEST(BackoffTest, DoublesToASecondAndResets) {

@@ -174,7 +174,8 @@ ABSL_FLAG(std::string, html, "", "Write the HTML report (charts; opens offline) 
 ABSL_FLAG(bool, server_stats, true,
           "Read every server's GetStats when each stage's warm-up ends and when it ends, and "
           "report the difference: backend selections and their time (the kernels), spans per "
-          "selection, handler queue time and server-side latency by RPC");
+          "selection, handler queue time, server-side latency by RPC and the time of each phase "
+          "of a step (indexer_step_phase_seconds, from servers that export it)");
 ABSL_FLAG(int64_t, max_errors, 0,
           "Exit status 1 when more decode requests than this failed (-1: never)");
 

@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -241,73 +242,102 @@ class EchoService final : public v1::Indexer::CallbackService {
   // answered at once (or on a handler thread, so several may be answered at the same time), and
   // the answers written one at a time in the order their requests came. The call finishes once
   // the client half-closed and every answer was written, or when a write fails.
+  //
+  // Every decision is taken under mu_ and carried out after it is released (Act): no Start* or
+  // Finish runs with the lock held, and once Finish is called (which lets OnDone delete the
+  // reactor, possibly on another thread) nothing touches the reactor any more.
   class StreamReactor final : public grpc::ServerBidiReactor<v1::BatchRequest, v1::BatchResponse> {
    public:
     explicit StreamReactor(EchoService* service) : service_(service) {
-      std::lock_guard<std::mutex> lock(mu_);
-      ReadNext();
+      std::unique_lock<std::mutex> lock(mu_);
+      Next next;
+      next.read = ReadNext();
+      Act(next, lock);
     }
     void OnReadDone(bool ok) override {
       std::unique_lock<std::mutex> lock(mu_);
       reading_ = false;
+      Next next;
       if (!ok || broken_) {
         reads_done_ = true;
-        MaybeFinish();
+        next.finish = MaybeFinish();
+        Act(next, lock);
         return;
       }
       const uint64_t seq = next_read_++;
       std::shared_ptr<v1::BatchRequest> request = std::move(incoming_);
-      if (next_read_ - next_write_ < kReadAhead) ReadNext();
+      if (next_read_ - next_write_ < kReadAhead) next.read = ReadNext();
       ++answering_;
-      lock.unlock();
+      Act(next, lock);
       service_->Dispatch([this, seq, request] {
         auto response = std::make_unique<v1::BatchResponse>();
         Answer(*request, service_->shape_, response.get());
-        std::lock_guard<std::mutex> lock(mu_);
+        std::unique_lock<std::mutex> lock(mu_);
         --answering_;
         answers_[seq] = std::move(response);
-        WriteNext();
-        MaybeFinish();
+        Next next;
+        next.write = WriteNext();
+        next.finish = MaybeFinish();
+        Act(next, lock);
       });
     }
     void OnWriteDone(bool ok) override {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       writing_ = false;
       answers_.erase(next_write_++);
       if (!ok) broken_ = true;
+      Next next;
       if (!broken_ && !reads_done_ && !reading_ && next_read_ - next_write_ < kReadAhead) {
-        ReadNext();
+        next.read = ReadNext();
       }
-      WriteNext();
-      MaybeFinish();
+      next.write = WriteNext();
+      next.finish = MaybeFinish();
+      Act(next, lock);
     }
     void OnDone() override { delete this; }
 
    private:
     static constexpr uint64_t kReadAhead = 16;
 
-    // The helpers below run with mu_ held.
-    void ReadNext() {
+    // What to start once mu_ is released.
+    struct Next {
+      v1::BatchRequest* read = nullptr;
+      const v1::BatchResponse* write = nullptr;
+      std::optional<grpc::Status> finish;
+    };
+
+    // Releases the lock, then starts what `next` says; Finish last, as the final touch.
+    void Act(const Next& next, std::unique_lock<std::mutex>& lock) {
+      lock.unlock();
+      if (next.read != nullptr) StartRead(next.read);
+      if (next.write != nullptr) StartWrite(next.write);
+      if (next.finish) Finish(*next.finish);
+    }
+
+    // The helpers below run with mu_ held and only decide.
+    v1::BatchRequest* ReadNext() {
       incoming_ = std::make_unique<v1::BatchRequest>();
       reading_ = true;
-      StartRead(incoming_.get());
+      return incoming_.get();
     }
-    void WriteNext() {
-      if (writing_ || broken_ || finished_) return;
+    const v1::BatchResponse* WriteNext() {
+      if (writing_ || broken_ || finished_) return nullptr;
       const auto next = answers_.find(next_write_);
-      if (next == answers_.end()) return;
+      if (next == answers_.end()) return nullptr;
       writing_ = true;
-      StartWrite(next->second.get());
+      return next->second.get();
     }
-    void MaybeFinish() {
-      if (finished_ || answering_ > 0 || writing_) return;
+    std::optional<grpc::Status> MaybeFinish() {
+      if (finished_ || answering_ > 0 || writing_) return std::nullopt;
       if (broken_) {
         finished_ = true;
-        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed while writing"));
-      } else if (reads_done_ && !reading_ && next_write_ == next_read_) {
-        finished_ = true;
-        Finish(grpc::Status::OK);
+        return grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed while writing");
       }
+      if (reads_done_ && !reading_ && next_write_ == next_read_) {
+        finished_ = true;
+        return grpc::Status::OK;
+      }
+      return std::nullopt;
     }
 
     EchoService* service_;

@@ -142,7 +142,9 @@ Clock::time_point Recorder::last_done() const {
 std::vector<WindowFigures> Recorder::Windows(int count, double window_s,
                                              Clock::time_point until) const {
   std::lock_guard<std::mutex> lock(mu_);
-  const int64_t per_window = std::max<int64_t>(1, std::llround(window_s / interval_s_));
+  // Whole intervals, rounded down so that `count` windows fit in the time they were meant for.
+  const int64_t per_window =
+      std::max<int64_t>(1, static_cast<int64_t>(std::floor(window_s / interval_s_ + 1e-6)));
   // Intervals [first, end) are wholly measured and complete.
   // (The slack absorbs the clock's nanosecond rounding.)
   const int64_t first = static_cast<int64_t>(std::ceil(warmup_s_ / interval_s_ - 1e-6));

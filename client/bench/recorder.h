@@ -156,7 +156,7 @@ class Recorder {
   Clock::time_point warmup_end() const;
 
   ProgressSnapshot Snapshot() const;
-  // Up to `count` consecutive windows of about `window_s` (whole timeline intervals), the last
+  // Up to `count` consecutive windows of at most `window_s` (whole timeline intervals), the last
   // ending at the last interval complete at `until`, none reaching into the warm-up: fewer when
   // the measured time is shorter.
   std::vector<WindowFigures> Windows(int count, double window_s, Clock::time_point until) const;

@@ -148,6 +148,247 @@ void Nap(Clock::time_point until, const StageControl& control) {
 
 constexpr int kUnavailable = static_cast<int>(absl::StatusCode::kUnavailable);
 
+// One stage while it runs: what its workers share (recorder, sequence source, end of the load,
+// outage view, pacer), the workers' loop, and the supervising thread's duties (server figures
+// at the end of the warm-up, stability extensions, the outage limit, progress).
+class Stage {
+ public:
+  Stage(const StageSetup& setup, const WorkloadSpec& spec, const ServerShape& shape,
+        const ValuePool& pool, const std::vector<client::ShardedClient*>& connections,
+        const LoadOptions& options, int stage)
+      : setup_(setup),
+        options_(options),
+        connections_(connections),
+        stage_(stage),
+        timed_(setup.duration_s > 0),
+        window_s_(timed_ ? setup.duration_s / std::max(1, options.stability_windows) : 0.0),
+        extendable_(timed_ && options.stability_percent > 0 &&
+                    options.max_duration_s > setup.duration_s && window_s_ > 0),
+        backlog_(FromSeconds(std::max(1.0, 0.1 * setup.duration_s))),
+        recorder_(setup.warmup_s, options.interval_s),
+        source_(spec, setup.max_sequences),
+        control_(extendable_),
+        gate_(setup.concurrency, [this](Clock::time_point start) { Open(start); }),
+        stats_call_(client::CallOptions::Timeout(options.timeout)) {
+    ctx_.spec = &spec;
+    ctx_.shape = &shape;
+    ctx_.pool = &pool;
+    ctx_.recorder = &recorder_;
+    ctx_.source = &source_;
+    ctx_.call = client::CallOptions::Timeout(options.timeout);
+    ctx_.check = options.check;
+    ctx_.check_params.select = EffectiveParams(spec, shape);
+    ctx_.check_params.page_table = shape.page_table;
+    ctx_.check_params.exact = spec.values == ValueKind::kInteger;
+    ctx_.check_params.tolerance = options.tolerance;
+    ctx_.attention_pages = &attention_pages_;
+    if (!options.server_stats) stats_before_ = absl::UnimplementedError("not asked for");
+  }
+
+  // Runs the workers to the end of the stage, supervising them from this thread.
+  void Run(const ProgressFn& progress, int stages) {
+    running_ = setup_.concurrency;
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<size_t>(setup_.concurrency));
+    for (int w = 0; w < setup_.concurrency; ++w) threads.emplace_back(&Stage::Worker, this, w);
+    Supervise(progress, stages);
+    for (std::thread& t : threads) t.join();
+  }
+
+  StageResult Result(double offset_s, double wall_s) {
+    StageResult result = recorder_.Finish(setup_, offset_s, wall_s, options_.check);
+    result.stop_reason = control_.reason();
+    // The last windows of the measured time (a count-limited stage: its length over the
+    // windows).
+    const double w =
+        timed_ ? window_s_ : result.measured_s / std::max(1, options_.stability_windows);
+    result.stability =
+        JudgeStability(recorder_.Windows(options_.stability_windows, w, recorder_.last_done()),
+                       options_.stability_percent, options_.stability_windows);
+    result.stability.extensions = control_.extensions();
+    result.server = ServerWindow();
+    return result;
+  }
+
+ private:
+  // The gate opens: the load begins.
+  void Open(Clock::time_point start) {
+    recorder_.Begin(start);
+    source_.Begin(start);
+    if (timed_) control_.SetEnd(start + FromSeconds(setup_.warmup_s + setup_.duration_s));
+    if (setup_.open_loop && setup_.arrivals == Arrivals::kReplay) {
+      pacer_ = std::make_unique<ArrivalPacer>(setup_.gaps_s, start);
+    } else if (setup_.open_loop) {
+      pacer_ = std::make_unique<ArrivalPacer>(setup_.target_rate, setup_.arrivals, start,
+                                              options_.seed * 7919 + static_cast<uint64_t>(stage_));
+    }
+  }
+
+  void Worker(int w) {
+    SimulatedScheduler scheduler(ctx_, *connections_[static_cast<size_t>(w) % connections_.size()],
+                                 options_.seed * 1000003 + static_cast<uint64_t>(w) * 7919 +
+                                     static_cast<uint64_t>(stage_));
+    SimulatedScheduler::RefillState state = scheduler.Refill();
+    const Clock::time_point warmup_end = gate_.ArriveAndWait() + FromSeconds(setup_.warmup_s);
+    if (state.live == 0) state = scheduler.Refill();  // a trace's arrivals count from the start
+    Backoff backoff;
+    const bool ended_by_limit = Load(scheduler, state, warmup_end, backoff);
+    if (ended_by_limit) source_.Close();  // the stage is ending: nobody starts new sequences
+    scheduler.Drain();
+    std::lock_guard<std::mutex> lock(done_mu_);
+    --running_;
+    done_cv_.notify_all();
+  }
+
+  // A worker's requests until the stage ends: true when a limit ended it, false when the
+  // sequences ran out.
+  bool Load(SimulatedScheduler& scheduler, SimulatedScheduler::RefillState state,
+            Clock::time_point warmup_end, Backoff& backoff) {
+    for (;;) {
+      if (StopRequested() || control_.stopped()) return true;
+      if (state.live == 0) {
+        if (state.source_done) return false;
+        // The next arrival of a trace, or a prefill the servers refused: wait, then try again.
+        const Clock::time_point wake =
+            state.next_arrival ? *state.next_arrival : Clock::now() + backoff.Next();
+        if (control_.Over(wake)) return true;
+        Nap(wake, control_);
+        state = scheduler.Refill();
+        continue;
+      }
+      const Clock::time_point intended = setup_.open_loop ? pacer_->Next() : Clock::now();
+      if (control_.Over(intended)) return true;
+      if (setup_.open_loop && control_.has_end() && Clock::now() > control_.end() + backlog_) {
+        recorder_.NotSent(1);  // the backlog at the end is dropped, and counted
+        continue;
+      }
+      const bool measured = intended >= warmup_end;
+      if (measured && setup_.max_requests > 0 && claimed_.fetch_add(1) >= setup_.max_requests) {
+        return true;
+      }
+      if (setup_.open_loop) SleepUntil(intended);
+      if (!scheduler.Decode(intended, measured, setup_.open_loop) && setup_.open_loop) {
+        recorder_.NotSent(1);  // nothing was live to send it for
+      }
+      state = scheduler.Refill();
+      // A down server fails every call at once: back off instead of spinning.
+      if (scheduler.last_code() == kUnavailable) {
+        outage_.Failed(Clock::now(), scheduler.last_message());
+        Nap(Clock::now() + backoff.Next(), control_);
+      } else if (scheduler.last_code() == 0) {
+        outage_.Succeeded();
+        backoff.Reset();
+      }
+    }
+  }
+
+  // Until every worker is done: reads the servers' figures when the warm-up ends, decides
+  // extensions at the end of an extendable stage, ends the stage after an outage too long, and
+  // reports progress about twice a second.
+  void Supervise(const ProgressFn& progress, int stages) {
+    std::unique_lock<std::mutex> lock(done_mu_);
+    while (running_ > 0) {
+      Clock::time_point wake = Clock::now() + std::chrono::milliseconds(500);
+      const bool await_warmup = !stats_before_.has_value() && gate_.open();
+      if (await_warmup) {
+        wake = std::min(wake, recorder_.warmup_end());
+      } else if (!stats_before_.has_value()) {
+        wake = Clock::now() + std::chrono::milliseconds(5);  // look again soon: the gate may open
+      }
+      const bool await_end = extendable_ && gate_.open() && !control_.final();
+      if (await_end) wake = std::min(wake, control_.end());
+      done_cv_.wait_until(lock, wake, [&] { return running_ == 0; });
+      if (running_ == 0) break;
+      lock.unlock();
+      const Clock::time_point now = Clock::now();
+      if (await_warmup && now >= recorder_.warmup_end()) {
+        stats_before_ = ReadServerCounters(*connections_[0], stats_call_);
+      }
+      if (await_end && now >= control_.end()) DecideExtension();
+      CheckOutage(now);
+      if (progress) {
+        ProgressSnapshot snapshot = recorder_.Snapshot();
+        snapshot.prefilling = !gate_.open();
+        progress(setup_, stage_, stages, snapshot);
+      }
+      lock.lock();
+    }
+  }
+
+  // At the end of an extendable stage: one more window while its last windows disagree and the
+  // measured time allows it.
+  void DecideExtension() {
+    const Clock::time_point end = control_.end();
+    const StabilityVerdict v = JudgeStability(
+        recorder_.Windows(options_.stability_windows, window_s_, end),
+        options_.stability_percent, options_.stability_windows);
+    const double measured_s = Seconds(end - recorder_.warmup_end());
+    if (v.checked && !v.stable && measured_s + window_s_ <= options_.max_duration_s + 1e-9) {
+      control_.Extend(FromSeconds(window_s_));
+    } else {
+      control_.Finalize();
+    }
+  }
+
+  void CheckOutage(Clock::time_point now) {
+    const std::optional<OutageMonitor::Outage> o = outage_.Current(now);
+    if (!o || options_.unreachable_timeout_s <= 0 || o->seconds < options_.unreachable_timeout_s) {
+      return;
+    }
+    control_.Stop(absl::StrFormat("the servers could not be reached for %.1f s (%s)", o->seconds,
+                                  o->message));
+    source_.Close();
+  }
+
+  // The servers' figures over the measured window, or why there are none.
+  ServerStatsWindow ServerWindow() {
+    ServerStatsWindow window;
+    if (!stats_before_.has_value()) {
+      window.note = "the stage ended within its warm-up";
+      return window;
+    }
+    if (!stats_before_->ok()) {
+      window.note = std::string(stats_before_->status().message());
+      return window;
+    }
+    absl::StatusOr<ServerCounters> after = ReadServerCounters(*connections_[0], stats_call_);
+    if (!after.ok()) {
+      window.note = std::string(after.status().message());
+    } else if (!after->has_backend) {
+      window.note = "the servers report no backend figures";
+    } else {
+      window.available = true;
+      window.delta = Difference(*after, **stats_before_);
+    }
+    return window;
+  }
+
+  const StageSetup& setup_;
+  const LoadOptions& options_;
+  const std::vector<client::ShardedClient*>& connections_;
+  const int stage_;
+  const bool timed_;
+  const double window_s_;  // the stability windows' length (timed stages)
+  const bool extendable_;
+  // Open loop: arrivals still waiting this long after the end are dropped and counted.
+  const Clock::duration backlog_;
+  Recorder recorder_;
+  SequenceSource source_;
+  std::atomic<int64_t> attention_pages_{0};
+  SchedulerContext ctx_;
+  StageControl control_;
+  OutageMonitor outage_;
+  std::unique_ptr<ArrivalPacer> pacer_;  // set when the gate opens, before any worker reads it
+  StartGate gate_;
+  std::atomic<int64_t> claimed_{0};  // measured requests started (--requests)
+  std::mutex done_mu_;
+  std::condition_variable done_cv_;
+  int running_ = 0;  // workers not yet done (done_mu_)
+  const client::CallOptions stats_call_;
+  // The servers' figures when the warm-up ended (the supervising thread's).
+  std::optional<absl::StatusOr<ServerCounters>> stats_before_;
+};
+
 }  // namespace
 
 void RequestStop() { stop_requested.store(true, std::memory_order_relaxed); }
@@ -168,208 +409,10 @@ absl::StatusOr<StageResult> RunStage(const StageSetup& setup, const WorkloadSpec
   if (setup.open_loop && !(setup.target_rate > 0)) {
     return absl::InvalidArgumentError("an open-loop stage needs a rate > 0");
   }
-  const Clock::time_point stage_begin = Clock::now();
-  Recorder recorder(setup.warmup_s, options.interval_s);
-  SequenceSource source(spec, setup.max_sequences);
-  std::atomic<int64_t> attention_pages{0};
-  SchedulerContext ctx;
-  ctx.spec = &spec;
-  ctx.shape = &shape;
-  ctx.pool = &pool;
-  ctx.recorder = &recorder;
-  ctx.source = &source;
-  ctx.call = client::CallOptions::Timeout(options.timeout);
-  ctx.check = options.check;
-  ctx.check_params.select = EffectiveParams(spec, shape);
-  ctx.check_params.page_table = shape.page_table;
-  ctx.check_params.exact = spec.values == ValueKind::kInteger;
-  ctx.check_params.tolerance = options.tolerance;
-  ctx.attention_pages = &attention_pages;
-
-  const bool timed = setup.duration_s > 0;
-  const double window_s =
-      timed ? setup.duration_s / std::max(1, options.stability_windows) : 0.0;
-  const bool extendable = timed && options.stability_percent > 0 &&
-                          options.max_duration_s > setup.duration_s && window_s > 0;
-  StageControl control(extendable);
-  OutageMonitor outage;
-  std::unique_ptr<ArrivalPacer> pacer;
-  StartGate gate(setup.concurrency, [&](Clock::time_point start) {
-    recorder.Begin(start);
-    source.Begin(start);
-    if (timed) control.SetEnd(start + FromSeconds(setup.warmup_s + setup.duration_s));
-    if (setup.open_loop && setup.arrivals == Arrivals::kReplay) {
-      pacer = std::make_unique<ArrivalPacer>(setup.gaps_s, start);
-    } else if (setup.open_loop) {
-      pacer = std::make_unique<ArrivalPacer>(setup.target_rate, setup.arrivals, start,
-                                             options.seed * 7919 + static_cast<uint64_t>(stage));
-    }
-  });
-  std::atomic<int64_t> claimed{0};
-  std::mutex done_mu;
-  std::condition_variable done_cv;
-  int running = setup.concurrency;
-  // Open loop: arrivals still waiting this long after the end are dropped and counted.
-  const Clock::duration backlog = FromSeconds(std::max(1.0, 0.1 * setup.duration_s));
-
-  const auto worker = [&](int w) {
-    SimulatedScheduler scheduler(
-        ctx, *connections[static_cast<size_t>(w) % connections.size()],
-        options.seed * 1000003 + static_cast<uint64_t>(w) * 7919 + static_cast<uint64_t>(stage));
-    SimulatedScheduler::RefillState state = scheduler.Refill();
-    const Clock::time_point start = gate.ArriveAndWait();
-    const Clock::time_point warmup_end = start + FromSeconds(setup.warmup_s);
-    if (state.live == 0) state = scheduler.Refill();  // a trace's arrivals count from the start
-    Backoff backoff;
-    bool stage_over = false;  // ended by a limit, not by running out of sequences
-    while (!stage_over) {
-      if (StopRequested() || control.stopped()) {
-        stage_over = true;
-        break;
-      }
-      if (state.live == 0) {
-        if (state.source_done) break;
-        // The next arrival of a trace, or a prefill the servers refused: wait, then try again.
-        const Clock::time_point wake =
-            state.next_arrival ? *state.next_arrival : Clock::now() + backoff.Next();
-        if (control.Over(wake)) {
-          stage_over = true;
-          break;
-        }
-        Nap(wake, control);
-        state = scheduler.Refill();
-        continue;
-      }
-      Clock::time_point intended;
-      if (setup.open_loop) {
-        intended = pacer->Next();
-        if (control.Over(intended)) {
-          stage_over = true;
-          break;
-        }
-        if (control.has_end() && Clock::now() > control.end() + backlog) {
-          recorder.NotSent(1);
-          continue;
-        }
-      } else {
-        intended = Clock::now();
-        if (control.Over(intended)) {
-          stage_over = true;
-          break;
-        }
-      }
-      const bool measured = intended >= warmup_end;
-      if (measured && setup.max_requests > 0 && claimed.fetch_add(1) >= setup.max_requests) {
-        stage_over = true;
-        break;
-      }
-      if (setup.open_loop) SleepUntil(intended);
-      if (!scheduler.Decode(intended, measured, setup.open_loop) && setup.open_loop) {
-        recorder.NotSent(1);  // nothing was live to send it for
-      }
-      state = scheduler.Refill();
-      // A down server fails every call at once: back off instead of spinning.
-      if (scheduler.last_code() == kUnavailable) {
-        outage.Failed(Clock::now(), scheduler.last_message());
-        Nap(Clock::now() + backoff.Next(), control);
-      } else if (scheduler.last_code() == 0) {
-        outage.Succeeded();
-        backoff.Reset();
-      }
-    }
-    if (stage_over) source.Close();  // the stage is ending: nobody starts new sequences
-    scheduler.Drain();
-    std::lock_guard<std::mutex> lock(done_mu);
-    --running;
-    done_cv.notify_all();
-  };
-
-  // The servers' figures when the warm-up ends (read by this thread while the workers run).
-  const client::CallOptions stats_call = client::CallOptions::Timeout(options.timeout);
-  std::optional<absl::StatusOr<ServerCounters>> stats_before;
-  if (!options.server_stats) stats_before = absl::UnimplementedError("not asked for");
-
-  // At the end of an extendable stage: extend it by a window while its last windows disagree
-  // and the measured time allows one more.
-  const auto decide_extension = [&] {
-    const Clock::time_point end = control.end();
-    const StabilityVerdict v = JudgeStability(
-        recorder.Windows(options.stability_windows, window_s, end), options.stability_percent,
-        options.stability_windows);
-    const double measured_s = Seconds(end - recorder.warmup_end());
-    if (v.checked && !v.stable && measured_s + window_s <= options.max_duration_s + 1e-9) {
-      control.Extend(FromSeconds(window_s));
-    } else {
-      control.Finalize();
-    }
-  };
-
-  std::vector<std::thread> threads;
-  threads.reserve(static_cast<size_t>(setup.concurrency));
-  for (int w = 0; w < setup.concurrency; ++w) threads.emplace_back(worker, w);
-  {
-    std::unique_lock<std::mutex> lock(done_mu);
-    while (running > 0) {
-      Clock::time_point wake = Clock::now() + std::chrono::milliseconds(500);
-      const bool await_warmup = !stats_before.has_value() && gate.open();
-      if (await_warmup) {
-        wake = std::min(wake, recorder.warmup_end());
-      } else if (!stats_before.has_value()) {
-        wake = Clock::now() + std::chrono::milliseconds(5);  // look again soon: the gate may open
-      }
-      const bool await_end = extendable && gate.open() && !control.final();
-      if (await_end) wake = std::min(wake, control.end());
-      done_cv.wait_until(lock, wake, [&] { return running == 0; });
-      if (running == 0) break;
-      lock.unlock();
-      const Clock::time_point now = Clock::now();
-      if (await_warmup && now >= recorder.warmup_end()) {
-        stats_before = ReadServerCounters(*connections[0], stats_call);
-      }
-      if (await_end && now >= control.end()) decide_extension();
-      if (const std::optional<OutageMonitor::Outage> o = outage.Current(now);
-          o && options.unreachable_timeout_s > 0 && o->seconds >= options.unreachable_timeout_s) {
-        control.Stop(absl::StrFormat("the servers could not be reached for %.1f s (%s)",
-                                     o->seconds, o->message));
-        source.Close();
-      }
-      if (progress) {
-        ProgressSnapshot snapshot = recorder.Snapshot();
-        snapshot.prefilling = !gate.open();
-        progress(setup, stage, stages, snapshot);
-      }
-      lock.lock();
-    }
-  }
-  for (std::thread& t : threads) t.join();
-  StageResult result =
-      recorder.Finish(setup, offset_s, Seconds(Clock::now() - stage_begin), options.check);
-  result.stop_reason = control.reason();
-  {
-    // The last windows of the measured time: its length over the windows for a count-limited
-    // stage.
-    const double w = timed ? window_s : result.measured_s / std::max(1, options.stability_windows);
-    result.stability =
-        JudgeStability(recorder.Windows(options.stability_windows, w, recorder.last_done()),
-                       options.stability_percent, options.stability_windows);
-    result.stability.extensions = control.extensions();
-  }
-  if (!stats_before.has_value()) {
-    result.server.note = "the stage ended within its warm-up";
-  } else if (!stats_before->ok()) {
-    result.server.note = std::string(stats_before->status().message());
-  } else {
-    absl::StatusOr<ServerCounters> after = ReadServerCounters(*connections[0], stats_call);
-    if (!after.ok()) {
-      result.server.note = std::string(after.status().message());
-    } else if (!after->has_backend) {
-      result.server.note = "the servers report no backend figures";
-    } else {
-      result.server.available = true;
-      result.server.delta = Difference(*after, **stats_before);
-    }
-  }
-  return result;
+  const Clock::time_point begin = Clock::now();
+  Stage run(setup, spec, shape, pool, connections, options, stage);
+  run.Run(progress, stages);
+  return run.Result(offset_s, Seconds(Clock::now() - begin));
 }
 
 absl::StatusOr<std::vector<double>> ParseSweepValues(absl::string_view text) {

@@ -459,9 +459,12 @@ TEST_F(BenchBinaryTest, UnreachableServerBacksOffAndEnds) {
   // thousands.
   EXPECT_LT(N(S(stage, "requests"), "errors"), 150);
   EXPECT_GT(N(S(stage, "requests"), "ok"), 0);
-  EXPECT_GT(F(stage, "first_errors").list_value().values_size(), 0);
-  EXPECT_THAT(F(stage, "first_errors").list_value().values(0).string_value(),
-              HasSubstr("UNAVAILABLE"));
+  // Among the first errors (calls the shutdown cancelled may come first): UNAVAILABLE.
+  std::string errors;
+  for (const Value& e : F(stage, "first_errors").list_value().values()) {
+    errors += e.string_value() + "\n";
+  }
+  EXPECT_THAT(errors, HasSubstr("UNAVAILABLE"));
 }
 
 TEST_F(BenchBinaryTest, SweepSaysWhyItStopped) {
@@ -506,7 +509,7 @@ TEST_F(BenchBinaryTest, ReplaysATrace) {
 // Request intervals from a file (perf_analyzer's --request-intervals): open loop at their rate.
 TEST_F(BenchBinaryTest, ReplaysRequestIntervals) {
   std::string gaps;
-  for (int i = 0; i < 50; ++i) gaps += i % 2 == 0 ? "2000\n" : "6000\n";  // mean 4 ms: 250/s
+  for (int i = 0; i < 50; ++i) gaps += i % 2 == 0 ? "5000\n" : "15000\n";  // mean 10 ms: 100/s
   const std::string path = WriteTemp("intervals.txt", gaps);
   const std::string json = ::testing::TempDir() + "/intervals.json";
   const BenchRun r = RunBench(Small({"--arrivals=file:" + path, "--duration=1500ms",
@@ -515,8 +518,8 @@ TEST_F(BenchBinaryTest, ReplaysRequestIntervals) {
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const Struct st = CheckedStage(ParseJson(ReadFile(json)), 0);
   EXPECT_EQ(F(st, "mode").string_value(), "open");
-  EXPECT_EQ(F(st, "label").string_value(), "replayed intervals (250/s)");
-  EXPECT_NEAR(N(st, "throughput_rps"), 250, 60);
+  EXPECT_EQ(F(st, "label").string_value(), "replayed intervals (100/s)");
+  EXPECT_NEAR(N(st, "throughput_rps"), 100, 30);
   EXPECT_GT(N(S(st, "send_lag_ms"), "count"), 0);
   EXPECT_EQ(RunBench(Small({"--arrivals=file:" + path, "--rate=10"})).code, 2);
   ExpectAllReleased();

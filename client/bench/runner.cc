@@ -254,6 +254,7 @@ class Stage {
         if (control_.Over(wake)) return true;
         Nap(wake, control_);
         state = scheduler.Refill();
+        Account(scheduler, backoff, /*nap=*/false);  // the nap above was the back-off
         continue;
       }
       const Clock::time_point intended = setup_.open_loop ? pacer_->Next() : Clock::now();
@@ -271,14 +272,20 @@ class Stage {
         recorder_.NotSent(1);  // nothing was live to send it for
       }
       state = scheduler.Refill();
-      // A down server fails every call at once: back off instead of spinning.
-      if (scheduler.last_code() == kUnavailable) {
-        outage_.Failed(Clock::now(), scheduler.last_message());
-        Nap(Clock::now() + backoff.Next(), control_);
-      } else if (scheduler.last_code() == 0) {
-        outage_.Succeeded();
-        backoff.Reset();
-      }
+      Account(scheduler, backoff, /*nap=*/true);
+    }
+  }
+
+  // After a worker's calls: the outage view follows its latest answered call, and while the
+  // servers cannot be reached (a down server fails every call at once) the worker backs off
+  // instead of spinning; `nap`: sleep the back-off here.
+  void Account(const SimulatedScheduler& scheduler, Backoff& backoff, bool nap) {
+    if (scheduler.last_code() == kUnavailable) {
+      outage_.Failed(Clock::now(), scheduler.last_message());
+      if (nap) Nap(Clock::now() + backoff.Next(), control_);
+    } else if (scheduler.last_code() == 0) {
+      outage_.Succeeded();
+      backoff.Reset();
     }
   }
 

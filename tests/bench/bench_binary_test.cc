@@ -437,7 +437,7 @@ TEST_F(BenchBinaryTest, UnreachableServerBacksOffAndEnds) {
   ASSERT_NE(doomed, nullptr);
   const std::string json = ::testing::TempDir() + "/unreachable.json";
   Running run = StartBench({"--servers=127.0.0.1:" + std::to_string(doomed->port()),
-                            "--prefill=200", "--decode_steps=fixed:1000000", "--heads=2",
+                            "--prefill=200", "--decode_steps=fixed:5", "--heads=2",
                             "--topk=4", "--batch=2", "--concurrency=3", "--duration=60s",
                             "--warmup=200ms", "--unreachable_timeout=1500ms", "--progress=off",
                             "--wait=5s", "--json=" + json},
@@ -513,8 +513,8 @@ TEST_F(BenchBinaryTest, ReplaysRequestIntervals) {
   const std::string path = WriteTemp("intervals.txt", gaps);
   const std::string json = ::testing::TempDir() + "/intervals.json";
   const BenchRun r = RunBench(Small({"--arrivals=file:" + path, "--duration=1500ms",
-                                     "--warmup=200ms", "--concurrency=3", "--layers=1",
-                                     "--json=" + json}));
+                                     "--warmup=200ms", "--concurrency=3", "--style=unary",
+                                     "--layers=1", "--json=" + json}));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const Struct st = CheckedStage(ParseJson(ReadFile(json)), 0);
   EXPECT_EQ(F(st, "mode").string_value(), "open");

@@ -442,7 +442,12 @@ TEST_F(BenchBinaryTest, UnreachableServerBacksOffAndEnds) {
                             "--warmup=200ms", "--unreachable_timeout=1500ms", "--progress=off",
                             "--wait=5s", "--json=" + json},
                            "-down");
-  absl::SleepFor(absl::Milliseconds(1200));
+  // Down once the load is under way: sequences live, and the warm-up well past.
+  const absl::Time limit = absl::Now() + absl::Seconds(20);
+  while (doomed->engine().Stats().live_sequences == 0 && absl::Now() < limit) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  absl::SleepFor(absl::Milliseconds(1000));
   const absl::Time down_at = absl::Now();
   doomed->Shutdown(absl::ZeroDuration());
   const BenchRun r = WaitBench(run, absl::Seconds(40));

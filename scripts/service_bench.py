@@ -1,16 +1,26 @@
 #!/usr/bin/env python3
 """The service benchmark: the indexer over gRPC, end to end, against its targets.
 
-Starts servers on free loopback ports, drives them with indexer-bench, reads the kernel time
-from the server's own figures (GetStats: indexer_backend_select_seconds over the measured
-window), and writes three files to --out (the GPU machine's tool brings back at most eight):
-service_bench.md (the table, printed last too), summary.json (every figure, and each case's
+Starts servers on free loopback ports and on Unix domain sockets, drives them with indexer-bench,
+reads the kernel time from the server's own figures (GetStats: indexer_backend_select_seconds
+over the measured window, and every phase of indexer_step_phase_seconds when the server exports
+it), and writes three files to --out (the GPU machine's tool brings back at most eight):
+service_bench.md (the tables, printed last too), summary.json (every figure, and each case's
 whole indexer-bench JSON report under "reports") and logs.txt (server and indexer-bench logs).
 Every server it starts is stopped on exit, whatever happens. Python 3 standard library only.
 
 Cases (--cases takes group or case names, comma-separated; default: every group but multigpu,
 which --devices=0,1 adds):
 
+  transport  the service path's decode cases against indexer-echo-server in one run: each case
+             over TCP and over a Unix socket, with unary Batch and with BatchStream, against
+             the echo server and the indexer side by side (one caller, closed loop). Per case:
+             indexer p50 - echo p50 next to the server's kernel time. Targets, on the GPU
+             (B=1 L=4K H=1, B=32 L=32K H=4, B=256 L=8K H=1): the difference <= kernel + 15 /
+             40 / 120 us over a Unix socket with BatchStream, and within 1.5x of that over TCP
+             or with unary Batch; on the CPU (B=1 L=1K H=1): indexer p50 <= 2x echo p50 over a
+             Unix socket (3x over TCP). Then the server's own breakdown of a step: each phase of
+             indexer_step_phase_seconds, in microseconds per call.
   decode     one whole decode step per Batch call (B sequences, each appending one token and
              selecting top-16 blocks of its L tokens for H heads), one caller, closed loop: step
              latency p50/p99 next to the kernel time. Target: p50 <= kernel time + 60 us. The
@@ -27,7 +37,8 @@ Sequences are rewound to their prefill length every 128 steps (indexer-bench --r
 stays within one block of what the case says however long it runs.
 
   scripts/service_bench.py --device cuda --bin .device/bundle --out gpu-out/service
-  scripts/service_bench.py --device cpu --quick --bin build            # about 12 s, for CI
+  scripts/service_bench.py --device cuda --bin .device/bundle --cases transport   # ~3 min
+  scripts/service_bench.py --device cpu --quick --bin build            # about 30 s, for CI
   scripts/service_bench.py --device cuda --cases multigpu --devices 0,1
 
 Exit status: 0 every case ran (targets met or not: the table says), 1 a case failed or a server
@@ -49,7 +60,21 @@ BATCHING_SPEEDUP = 5.0      # unary: on >= 5x off
 ECHO_SHARE = 0.8            # small: >= 80% of echo
 TWO_GPU_SPEEDUP = 1.8       # multigpu: >= 1.8x one GPU
 REWIND = 128                # steps between rewinds to the prefill length
-GROUPS = ("decode", "unary", "small", "multigpu")
+GROUPS = ("transport", "decode", "unary", "small", "multigpu")
+
+# transport: (shape, B, L, H, target). A number: indexer p50 - echo p50 <= kernel + that many us
+# (the GPU cases); "ratio": indexer p50 <= CPU_ECHO_RATIO x echo p50 (the CPU case). The strict
+# target holds over a Unix socket with BatchStream (the CPU's: over a Unix socket); over TCP or
+# with unary Batch the allowance is SECONDARY_SLACK times as large.
+TRANSPORT_GPU = [("b1_l4k_h1", 1, 4096, 1, 15.0),
+                 ("b32_l32k_h4", 32, 32768, 4, 40.0),
+                 ("b256_l8k_h1", 256, 8192, 1, 120.0)]
+TRANSPORT_CPU = [("b1_l1k_h1", 1, 1024, 1, "ratio")]
+CPU_ECHO_RATIO = 2.0
+SECONDARY_SLACK = 1.5
+TRANSPORTS = ("unix", "tcp")
+DECODE_RPC = {"stream": "BatchStream", "batch": "Batch", "unary": "SelectBlocks"}
+STYLES = (("stream", "BatchStream"), ("batch", "unary Batch"))
 
 
 def die(message):
@@ -96,6 +121,27 @@ def parse_args(argv):
 # Cases
 
 
+def transport_cases(shapes):
+    """Per shape, transport and call style: the echo server's run, then the indexer's."""
+    cases = []
+    for shape, b, length, heads, target in shapes:
+        for transport in TRANSPORTS:
+            for style, style_name in STYLES:
+                for server in ("echo", "indexer"):
+                    key = ("echo" if server == "echo" else "main") + (
+                        "_unix" if transport == "unix" else "")
+                    cases.append({
+                        "name": "t_%s_%s_%s_%s" % (shape, transport, style, server),
+                        "group": "transport", "server": key, "style": style, "batch": b,
+                        "concurrency": 1, "prefill": length, "heads": heads,
+                        "shape": shape, "transport": transport, "target_kind": target,
+                        "what": "B=%d L=%s H=%d, %s over %s, %s" % (
+                            b, kib(length), heads, style_name,
+                            "a Unix socket" if transport == "unix" else "TCP",
+                            "echo server" if server == "echo" else "indexer")})
+    return cases
+
+
 def decode_case(name, b, length, heads, server="main"):
     return {"name": name, "group": "decode", "server": server, "style": "batch",
             "batch": b, "concurrency": 1, "prefill": length, "heads": heads,
@@ -126,12 +172,13 @@ def multigpu_case(name, server, workers, b, length, connections):
                                                  "one GPU" if server == "gpu1" else "all GPUs")}
 
 
-def all_cases(quick, multigpu_callers=32, multigpu_connections=None):
+def all_cases(quick, multigpu_callers=32, multigpu_connections=None, device="cuda"):
     # The multigpu callers share this many HTTP/2 connections (default one per 4 callers: on one
     # connection gRPC's per-connection work caps the rate below what two GPUs serve).
     conns = multigpu_connections or max(1, multigpu_callers // 4)
+    transport = transport_cases(TRANSPORT_CPU if quick or device == "cpu" else TRANSPORT_GPU)
     if quick:
-        return [
+        return transport + [
             decode_case("decode_b1_l1k_h1", 1, 1024, 1),
             decode_case("decode_b1_l1k_h1_echo", 1, 1024, 1, "echo"),
             decode_case("decode_b8_l2k_h1", 8, 2048, 1),
@@ -143,7 +190,7 @@ def all_cases(quick, multigpu_callers=32, multigpu_connections=None):
             multigpu_case("multigpu_1", "gpu1", 2, 4, 2048, 1),
             multigpu_case("multigpu_all", "gpuall", 2, 4, 2048, 1),
         ]
-    return [
+    return transport + [
         decode_case("decode_b1_l4k_h1", 1, 4096, 1),
         decode_case("decode_b1_l4k_h1_echo", 1, 4096, 1, "echo"),
         decode_case("decode_b1_l128k_h1", 1, 131072, 1),
@@ -203,28 +250,41 @@ def find_binaries(folder):
 
 
 class Servers:
-    """Servers this script started; every one is stopped by stop_all (called on any exit)."""
+    """Servers this script started; every one is stopped by stop_all (called on any exit).
+
+    A key ending in "_unix" listens on a Unix domain socket in the log folder (its target is
+    unix:PATH), any other on a free loopback port (127.0.0.1:PORT)."""
 
     def __init__(self, log_dir):
         self.log_dir = log_dir
-        self.running = {}  # key -> (Popen, port, log path)
-        self.started = []  # every server started: key, pid, port (for summary.json)
+        self.running = {}  # key -> (Popen, target, log path)
+        self.started = []  # every server started: key, pid, target (for summary.json)
 
     def start(self, key, argv, timeout=60.0):
         log = os.path.join(self.log_dir, "%s.log" % key)
+        socket_path = os.path.join(self.log_dir, "%s.sock" % key) if key.endswith("_unix") else None
+        if socket_path and os.path.exists(socket_path):
+            os.unlink(socket_path)
+        listen = "unix:%s" % socket_path if socket_path else "127.0.0.1:0"
         with open(log, "w") as f:
-            proc = subprocess.Popen(argv + ["--listen=127.0.0.1:0"], stdout=f,
+            proc = subprocess.Popen(argv + ["--listen=%s" % listen], stdout=f,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.running[key] = (proc, None, log)
         deadline = time.time() + timeout
         while time.time() < deadline:
             text = read(log)
-            m = re.search(r"serving on port (\d+)", text)
-            if m:
-                port = int(m.group(1))
-                self.running[key] = (proc, port, log)
-                self.started.append({"server": key, "pid": proc.pid, "port": port})
-                return port
+            target = None
+            if socket_path:
+                if "serving on" in text and os.path.exists(socket_path):
+                    target = listen
+            else:
+                m = re.search(r"serving on port (\d+)", text)
+                if m:
+                    target = "127.0.0.1:%d" % int(m.group(1))
+            if target:
+                self.running[key] = (proc, target, log)
+                self.started.append({"server": key, "pid": proc.pid, "target": target})
+                return target
             if proc.poll() is not None:
                 break
             time.sleep(0.05)
@@ -236,7 +296,7 @@ class Servers:
         entry = self.running.get(key)
         return entry is not None and entry[0].poll() is None
 
-    def port(self, key):
+    def target(self, key):
         return self.running[key][1]
 
     def stop(self, key):
@@ -299,10 +359,10 @@ def indexer_argv(bins, args, flags, batching=None, devices=None, handler_threads
 # Running a case
 
 
-def run_case(case, port, bins, args, work_dir, reports):
+def run_case(case, target, bins, args, work_dir, reports):
     """Runs one case; returns its row and puts its indexer-bench report in reports[case]."""
     report = os.path.join(work_dir, "%s.json" % case["name"])
-    argv = [bins["indexer-bench"], "--servers=127.0.0.1:%d" % port,
+    argv = [bins["indexer-bench"], "--servers=%s" % target,
             "--style=%s" % case["style"], "--batch=%d" % case["batch"],
             "--concurrency=%d" % case["concurrency"],
             "--connections=%d" % case.get("connections", 1),
@@ -324,6 +384,10 @@ def run_case(case, port, bins, args, work_dir, reports):
             rc = "timeout"
     wall = time.time() - t0
     row = {"case": case["name"], "group": case["group"], "what": case["what"], "wall_s": wall}
+    row["style"] = case["style"]
+    for key in ("shape", "transport", "target_kind"):
+        if key in case:
+            row[key] = case[key]
     if rc != 0 or not os.path.exists(report):
         tail = " / ".join(l for l in read(log).splitlines()[-4:] if l.strip())
         row.update(status="failed", note="indexer-bench exit %s: %s" % (rc, tail[-300:]))
@@ -339,7 +403,8 @@ def run_case(case, port, bins, args, work_dir, reports):
                measured_s=st["measured_s"],
                prefill_s=max(0.0, st["wall_s"] - st["warmup_s"] - st["measured_s"]),
                rate=st["throughput_rps"], selections_per_s=st["selections_per_s"],
-               p50_us=lat["p50"] * 1e3, p99_us=lat["p99"] * 1e3, mean_us=lat["mean"] * 1e3)
+               p50_us=lat["p50"] * 1e3, p99_us=lat["p99"] * 1e3, mean_us=lat["mean"] * 1e3,
+               stable=(st.get("stability") or {}).get("stable", True))
     ss = st.get("server_stats") or {}
     if ss.get("available"):
         launches = ss["backend_selections"]
@@ -349,7 +414,11 @@ def run_case(case, port, bins, args, work_dir, reports):
                    spans_per_launch=ss["spans_per_selection"],
                    queue_us=ss["queue_mean_us"],
                    calls_per_launch=ss.get("calls_per_launch", 0.0),
-                   batch_queue_us=ss.get("batch_queue_mean_us", 0.0))
+                   batch_queue_us=ss.get("batch_queue_mean_us", 0.0),
+                   server_rpc_us={rpc: v["mean_us"] for rpc, v in ss.get("requests", {}).items()},
+                   phases_available=bool(ss.get("phases_available")),
+                   phases_us={phase: v["us_per_request"]
+                              for phase, v in (ss.get("phases") or {}).items()})
     else:
         row["kernel_note"] = ss.get("note", "")
     return row
@@ -389,6 +458,37 @@ def apply_targets(rows):
             r["met"] = r["vs_target"] >= 1.0
 
 
+def transport_targets(rows):
+    """The transport group: each indexer run against the echo run of the same case."""
+    by = {r["case"]: r for r in rows if r.get("status") == "ok"}
+    for r in rows:
+        if r.get("group") != "transport" or r.get("status") != "ok" \
+                or not r["case"].endswith("_indexer"):
+            continue
+        echo = by.get(r["case"][:-len("_indexer")] + "_echo")
+        if not echo or echo["p50_us"] <= 0:
+            continue
+        kind = r["target_kind"]
+        r["echo_p50_us"] = echo["p50_us"]
+        r["echo_p99_us"] = echo["p99_us"]
+        r["diff_us"] = r["p50_us"] - echo["p50_us"]
+        r["x_echo"] = r["p50_us"] / echo["p50_us"]
+        primary = r["transport"] == "unix" and (kind == "ratio" or r["style"] == "stream")
+        factor = 1.0 if primary else SECONDARY_SLACK
+        if kind == "ratio":
+            limit = CPU_ECHO_RATIO * factor
+            r["target"] = "p50 <= %gx echo" % limit
+            r["vs_target"] = limit / r["x_echo"]
+        elif "kernel_us" in r:
+            r["allowed_us"] = factor * (r["kernel_us"] + kind)
+            r["target"] = ("diff <= kernel + %g us" % kind if primary
+                           else "diff <= %g x (kernel + %g us)" % (SECONDARY_SLACK, kind))
+            r["vs_target"] = r["allowed_us"] / r["diff_us"] if r["diff_us"] > 0 else 99.0
+        else:
+            continue
+        r["met"] = r["vs_target"] >= 1.0
+
+
 def fmt(v, digits=1):
     if v is None:
         return "-"
@@ -397,11 +497,68 @@ def fmt(v, digits=1):
     return "%.*f" % (digits, v)
 
 
+def yes_no(v):
+    return {True: "yes", False: "**no**"}.get(v, "")
+
+
+def transport_table(rows):
+    head = ["case", "transport", "call", "echo p50 us", "indexer p50 us", "indexer - echo us",
+            "x echo", "kernel us", "allowed us", "target", "ratio to target", "met", "stable"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.get("group") != "transport" or not r["case"].endswith("_indexer"):
+            continue
+        call = dict(STYLES).get(r.get("style"), r.get("style", "?"))
+        if r.get("status") != "ok" or "echo_p50_us" not in r:
+            note = r.get("note") or "the echo run of this case failed"
+            cells = [r.get("shape", r["case"]), r.get("transport", "?"), call] + ["-"] * 8 + [
+                r.get("status", "?") if r.get("status") != "ok" else "-",
+                note.replace("|", "/")[:160]]
+        else:
+            cells = [r["shape"], r["transport"], call, fmt(r["echo_p50_us"]), fmt(r["p50_us"]),
+                     fmt(r["diff_us"]), fmt(r["x_echo"], 2), fmt(r.get("kernel_us")),
+                     fmt(r.get("allowed_us")), r.get("target", ""), fmt(r.get("vs_target"), 2),
+                     yes_no(r.get("met")), "yes" if r.get("stable", True) else "no"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def breakdown_table(rows):
+    """The server's own account of a call, per indexer case: queue, backend and every phase of
+    indexer_step_phase_seconds found over the measured window, in us per call."""
+    measured = [r for r in rows if r.get("status") == "ok" and "kernel_us" in r]
+    if not measured:
+        return "No server figures (no indexer case ran).\n"
+    phases = sorted({p for r in measured for p in r.get("phases_us", {})})
+    note = ""
+    if not any(r.get("phases_available") for r in measured):
+        note = ("\nThe server exports no indexer_step_phase_seconds through GetStats: no phase "
+                "breakdown, only its queue and backend time.\n")
+    head = ["case", "p50 us", "server us", "handler queue us",
+            "backend us"] + ["%s us" % (p or "(none)") for p in phases] + (
+                ["phases us"] if phases else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in measured:
+        # The server's own latency of the call that carries a decode request.
+        rpc = DECODE_RPC.get(r.get("style"), "")
+        server = r.get("server_rpc_us", {}).get(rpc)
+        cells = [r["case"], fmt(r["p50_us"]), "%s %s" % (rpc, fmt(server)) if server else "-",
+                 fmt(r.get("queue_us")), fmt(r.get("kernel_us"))]
+        got = r.get("phases_us", {})
+        cells += [fmt(got[p]) if p in got else "-" for p in phases]
+        if phases:
+            cells.append(fmt(sum(got.values())))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" + note
+
+
 def table(rows):
     head = ["case", "what", "p50 us", "p99 us", "kernel us", "overhead us", "req/s",
             "spans/launch", "target", "ratio to target", "met"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        if r.get("group") == "transport":
+            continue
         if r.get("status") != "ok":
             cells = [r["case"], r["what"]] + ["-"] * 6 + [r.get("status", "?"), "-",
                                                            r.get("note", "").replace("|", "/")[:160]]
@@ -434,11 +591,12 @@ def main(argv):
         die("--multigpu-callers must be at least 1")
     if args.multigpu_connections is not None and args.multigpu_connections < 1:
         die("--multigpu-connections must be at least 1")
-    cases = select_cases(all_cases(args.quick, args.multigpu_callers, args.multigpu_connections),
+    cases = select_cases(all_cases(args.quick, args.multigpu_callers, args.multigpu_connections,
+                                   args.device),
                          args.cases, len(devices) >= 2)
     if args.list:
         for c in cases:
-            print("%-24s %-9s %s" % (c["name"], c["group"], c["what"]))
+            print("%-34s %-10s %s" % (c["name"], c["group"], c["what"]))
         return 0
 
     bin_dir = args.bin or next((d for d in (os.path.join(root, ".device/bundle"),
@@ -474,6 +632,8 @@ def main(argv):
                                 handler_threads=handler_threads),
         "echo": [bins["indexer-echo-server"], "--head_dim=128", "--layers=1"],
     }
+    server_argv["main_unix"] = server_argv["main"]
+    server_argv["echo_unix"] = server_argv["echo"]
     if len(devices) >= 1:
         server_argv["gpu1"] = indexer_argv(bins, args, flags, devices=devices[0])
         server_argv["gpuall"] = indexer_argv(bins, args, flags, devices=",".join(devices))
@@ -496,22 +656,25 @@ def main(argv):
     rows = []
     failed = False
     started = time.time()
-    # Cases run grouped by server (each indexer server started once; the echo server beside the
-    # main one), and are reported in the listed order. A server is stopped once no later case
-    # needs it; two indexer servers never run at once.
-    order = ["main", "echo", "nobatch", "gpu1", "gpuall"]
-    run_order = sorted(cases, key=lambda c: order.index(c["server"]))
+    # Cases run grouped by the servers they need (each started once: an indexer server with its
+    # echo server beside it, over TCP and then over Unix sockets), in the listed order within a
+    # group (so the echo server and the indexer take turns), and are reported in the listed
+    # order. A server is stopped once no later case needs it; two indexer servers never run at
+    # once.
+    pair = {"main": 0, "echo": 0, "nobatch": 1, "main_unix": 2, "echo_unix": 2, "gpu1": 3,
+            "gpuall": 4}
+    run_order = sorted(cases, key=lambda c: pair[c["server"]])
     try:
         for i, case in enumerate(run_order):
             reason = skip_reason(case)
             if reason:
                 rows.append({"case": case["name"], "group": case["group"], "what": case["what"],
                              "status": "skipped", "note": reason})
-                print("  %-24s skipped: %s" % (case["name"], reason), file=sys.stderr, flush=True)
+                print("  %-34s skipped: %s" % (case["name"], reason), file=sys.stderr, flush=True)
                 continue
             key = case["server"]
             for other in list(servers.running):
-                if other != key and other != "echo" and key != "echo":
+                if pair[other] != pair[key]:
                     servers.stop(other)
             if not servers.alive(key):
                 servers.stop(key)
@@ -520,16 +683,16 @@ def main(argv):
                 except RuntimeError as e:
                     rows.append({"case": case["name"], "group": case["group"],
                                  "what": case["what"], "status": "failed", "note": str(e)})
-                    print("  %-24s FAILED: %s" % (case["name"], e), file=sys.stderr, flush=True)
+                    print("  %-34s FAILED: %s" % (case["name"], e), file=sys.stderr, flush=True)
                     failed = True
                     continue
-            row = run_case(case, servers.port(key), bins, args, work_dir, reports)
+            row = run_case(case, servers.target(key), bins, args, work_dir, reports)
             rows.append(row)
             if row["status"] != "ok":
                 failed = True
-                print("  %-24s FAILED: %s" % (case["name"], row["note"]), file=sys.stderr, flush=True)
+                print("  %-34s FAILED: %s" % (case["name"], row["note"]), file=sys.stderr, flush=True)
             else:
-                print("  %-24s p50 %s us, p99 %s us, kernel %s us, %s req/s (%.1f s)" % (
+                print("  %-34s p50 %s us, p99 %s us, kernel %s us, %s req/s (%.1f s)" % (
                     case["name"], fmt(row["p50_us"]), fmt(row["p99_us"]),
                     fmt(row.get("kernel_us")), fmt(row["rate"]), row["wall_s"]), file=sys.stderr, flush=True)
             later = {c["server"] for c in run_order[i + 1:]}
@@ -540,11 +703,24 @@ def main(argv):
 
     rows.sort(key=lambda r: [c["name"] for c in cases].index(r["case"]))
     apply_targets(rows)
-    md = table(rows)
+    transport_targets(rows)
+    md = ""
+    if any(r["group"] == "transport" for r in rows):
+        md += ("## The service path against the gRPC floor\n\n"
+               "One caller in closed loop; echo = indexer-echo-server answering the same calls "
+               "(gRPC alone); kernel = the indexer's backend selection time per call (GetStats "
+               "over the measured window); allowed = the target for indexer p50 - echo p50; "
+               "ratio to target >= 1 is met; stable = indexer-bench's stability check.\n\n")
+        md += transport_table(rows) + "\n"
+    if any(r["group"] != "transport" for r in rows):
+        md += "## Cases\n\n" + table(rows) + "\n"
+    md += ("## The server's breakdown of a call\n\n"
+           "Microseconds per decode request, from the server's GetStats over the measured "
+           "window.\n\n" + breakdown_table(rows))
     header = ("Service benchmark: %s backend%s, %gs warm-up + %gs measured per case, %s.\n"
-              "Latencies of one decode request (a Batch call holding a whole step, or one unary "
-              "SelectBlocks); kernel = the server's backend selection time per request "
-              "(GetStats, measured window); overhead = p50 - kernel.\n\n"
+              "Latencies of one decode request (a Batch call or BatchStream message holding a "
+              "whole step, or one unary SelectBlocks); kernel = the server's backend selection "
+              "time per request (GetStats, measured window); overhead = p50 - kernel.\n\n"
               % (args.device, " (quick)" if args.quick else "", args.warmup, args.duration,
                  time.strftime("%Y-%m-%d %H:%M:%S")))
     with open(os.path.join(out_dir, "service_bench.md"), "w") as f:
@@ -562,6 +738,15 @@ def main(argv):
                 f.write("==== %s ====\n%s\n" % (name, read(os.path.join(work_dir, name))))
     shutil.rmtree(work_dir, ignore_errors=True)
     print(header + md, end="")
+    for r in rows:
+        if r.get("group") == "transport" and "x_echo" in r:
+            print("service_bench: %s over %s, %s: indexer p50 %s us = %.2fx echo p50 %s us; "
+                  "indexer - echo %s us (kernel %s us); target %s: %s" % (
+                      r["shape"], r["transport"], dict(STYLES)[r["style"]], fmt(r["p50_us"]),
+                      r["x_echo"], fmt(r["echo_p50_us"]), fmt(r["diff_us"]),
+                      fmt(r.get("kernel_us")), r.get("target", "-"),
+                      {True: "met", False: "missed"}.get(r.get("met"), "-")),
+                  file=sys.stderr, flush=True)
     print("service_bench: %.0f s in all; wrote %s" % (time.time() - started, out_dir),
           file=sys.stderr, flush=True)
     return 1 if failed else 0

@@ -5,7 +5,9 @@
 //
 //   AppendKeys     lengths = the tokens this call appended (every layer), num_blocks to match
 //   SelectBlocks   n x H x topk block ids 0..topk-1 (n from the queries' size), the same lengths
-//   Batch, BatchStream   one such answer per item
+//   Batch, BatchStream   one such answer per item; a stream's requests are read as they come
+//                        (several may be in flight), answered at once or on the handler
+//                        threads, and the answers written in the order the requests came
 //   ServerInfo     a shape indexer-bench accepts (--head_dim, --layers, a huge free pool)
 //   other RPCs     an empty OK answer
 //
@@ -14,6 +16,9 @@
 // server's request rate with it. --handler_threads=0 (default) answers on gRPC's callback
 // threads, the floor; N > 0 hands every call to N handler threads first, as indexer-server does.
 //
+// It listens on host:port or on a Unix domain socket (--listen=unix:/path) and says where on
+// stderr: "serving on port N" or "serving on unix:/path".
+//
 // Exits 0 on SIGINT/SIGTERM, 1 when it cannot listen, 2 for a refused flag value.
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -21,25 +26,33 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <type_traits>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "indexer/v1/indexer.grpc.pb.h"
 #include "server/request_executor.h"
 #include "server/startup.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50052",
-          "gRPC listen address, host:port (port 0 picks one; the port is printed)");
+          "gRPC listen address: host:port (port 0 picks one; the port is printed), or "
+          "unix:/path/to/socket for a Unix domain socket");
 ABSL_FLAG(int32_t, handler_threads, 0,
           "Threads answering calls; 0: answer on gRPC's callback threads (the floor)");
 ABSL_FLAG(int32_t, head_dim, 128, "head_dim ServerInfo reports (sizes the answers' shapes)");
 ABSL_FLAG(int32_t, layers, 1, "Layers ServerInfo reports and every answer's lengths hold");
 ABSL_FLAG(int32_t, topk, 16, "Default topk when a request omits it");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Largest gRPC message received or sent, in bytes");
+ABSL_FLAG(bool, check_num_tokens, false,
+          "Refuse (INVALID_ARGUMENT) an append or a selection whose num_tokens is unset or "
+          "disagrees with its bytes, so a test can tell that a client sets it");
 
 namespace indexer::bench {
 namespace {
@@ -51,6 +64,7 @@ struct EchoShape {
   int layers = 1;
   int topk = 16;
   int64_t max_message_bytes = 64 << 20;
+  bool check_num_tokens = false;
 };
 
 int WireBytes(v1::ValueDtype dtype) { return dtype == v1::VALUE_DTYPE_FP32 ? 4 : 2; }
@@ -60,6 +74,32 @@ int64_t AppendedTokens(const v1::AppendKeysRequest& a, const EchoShape& shape) {
   const int64_t row =
       static_cast<int64_t>(a.all_layers() ? shape.layers : 1) * shape.head_dim * WireBytes(a.dtype());
   return row > 0 ? static_cast<int64_t>(a.keys().size()) / row : 0;
+}
+
+// Query tokens a selection carries: its queries' bytes over one token's row.
+int64_t QueryTokens(const v1::SelectBlocksRequest& req, const EchoShape& shape) {
+  const int heads = std::max<int>(1, static_cast<int>(req.num_heads()));
+  const int64_t row = static_cast<int64_t>(heads) * shape.head_dim * WireBytes(req.query_dtype());
+  return static_cast<int64_t>(req.queries().size()) / row;
+}
+
+// With --check_num_tokens: num_tokens is set and matches the bytes.
+grpc::Status CheckNumTokens(const v1::AppendKeysRequest& a, const EchoShape& shape) {
+  if (!shape.check_num_tokens) return grpc::Status::OK;
+  if (!a.has_num_tokens() || a.num_tokens() != AppendedTokens(a, shape)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the append's num_tokens is unset or disagrees with its keys");
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckNumTokens(const v1::SelectBlocksRequest& r, const EchoShape& shape) {
+  if (!shape.check_num_tokens) return grpc::Status::OK;
+  if (!r.has_num_tokens() || r.num_tokens() != QueryTokens(r, shape)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the selection's num_tokens is unset or disagrees with its queries");
+  }
+  return r.has_append() ? CheckNumTokens(r.append(), shape) : grpc::Status::OK;
 }
 
 template <typename Repeated>
@@ -78,8 +118,7 @@ void Answer(const v1::SelectBlocksRequest& req, const EchoShape& shape,
   const int64_t appended = req.has_append() ? AppendedTokens(req.append(), shape) : 0;
   const int heads = std::max<int>(1, static_cast<int>(req.num_heads()));
   const int topk = req.has_topk() ? static_cast<int>(req.topk()) : shape.topk;
-  const int64_t row = static_cast<int64_t>(heads) * shape.head_dim * WireBytes(req.query_dtype());
-  const int64_t n = static_cast<int64_t>(req.queries().size()) / row;
+  const int64_t n = QueryTokens(req, shape);
   resp->set_num_tokens(static_cast<uint32_t>(n));
   resp->set_num_heads(static_cast<uint32_t>(heads));
   resp->set_topk(static_cast<uint32_t>(topk));
@@ -98,7 +137,13 @@ void Answer(const v1::BatchRequest& req, const EchoShape& shape, v1::BatchRespon
   resp->set_request_id(req.request_id());
   resp->mutable_results()->Reserve(req.items_size());
   for (const v1::SelectBlocksRequest& item : req.items()) {
-    Answer(item, shape, resp->add_results()->mutable_result());
+    v1::BatchItemResult* result = resp->add_results();
+    if (const grpc::Status st = CheckNumTokens(item, shape); !st.ok()) {
+      result->set_code(st.error_code());
+      result->set_message(st.error_message());
+      continue;
+    }
+    Answer(item, shape, result->mutable_result());
   }
 }
 
@@ -134,12 +179,20 @@ class EchoService final : public v1::Indexer::CallbackService {
   grpc::ServerUnaryReactor* AppendKeys(grpc::CallbackServerContext* ctx,
                                        const v1::AppendKeysRequest* req,
                                        v1::AppendKeysResponse* resp) override {
-    return Run(ctx, [this, req, resp] { Answer(*req, shape_, resp); });
+    return Run(ctx, [this, req, resp] {
+      const grpc::Status st = CheckNumTokens(*req, shape_);
+      if (st.ok()) Answer(*req, shape_, resp);
+      return st;
+    });
   }
   grpc::ServerUnaryReactor* SelectBlocks(grpc::CallbackServerContext* ctx,
                                          const v1::SelectBlocksRequest* req,
                                          v1::SelectBlocksResponse* resp) override {
-    return Run(ctx, [this, req, resp] { Answer(*req, shape_, resp); });
+    return Run(ctx, [this, req, resp] {
+      const grpc::Status st = CheckNumTokens(*req, shape_);
+      if (st.ok()) Answer(*req, shape_, resp);
+      return st;
+    });
   }
   grpc::ServerUnaryReactor* Batch(grpc::CallbackServerContext* ctx, const v1::BatchRequest* req,
                                   v1::BatchResponse* resp) override {
@@ -185,34 +238,120 @@ class EchoService final : public v1::Indexer::CallbackService {
   }
 
  private:
-  // Reads one BatchRequest, answers it, writes the answer, reads the next (like the real one).
+  // A BatchStream: requests are read as they come, up to kReadAhead unanswered ones, each
+  // answered at once (or on a handler thread, so several may be answered at the same time), and
+  // the answers written one at a time in the order their requests came. The call finishes once
+  // the client half-closed and every answer was written, or when a write fails.
+  //
+  // Every decision is taken under mu_ and carried out after it is released (Act): no Start* or
+  // Finish runs with the lock held, and once Finish is called (which lets OnDone delete the
+  // reactor, possibly on another thread) nothing touches the reactor any more.
   class StreamReactor final : public grpc::ServerBidiReactor<v1::BatchRequest, v1::BatchResponse> {
    public:
-    explicit StreamReactor(EchoService* service) : service_(service) { StartRead(&request_); }
+    explicit StreamReactor(EchoService* service) : service_(service) {
+      std::unique_lock<std::mutex> lock(mu_);
+      Next next;
+      next.read = ReadNext();
+      Act(next, lock);
+    }
     void OnReadDone(bool ok) override {
-      if (!ok) {
-        Finish(grpc::Status::OK);
+      std::unique_lock<std::mutex> lock(mu_);
+      reading_ = false;
+      Next next;
+      if (!ok || broken_) {
+        reads_done_ = true;
+        next.finish = MaybeFinish();
+        Act(next, lock);
         return;
       }
-      service_->Dispatch([this] {
-        response_.Clear();
-        Answer(request_, service_->shape_, &response_);
-        StartWrite(&response_);
+      const uint64_t seq = next_read_++;
+      std::shared_ptr<v1::BatchRequest> request = std::move(incoming_);
+      if (next_read_ - next_write_ < kReadAhead) next.read = ReadNext();
+      ++answering_;
+      Act(next, lock);
+      service_->Dispatch([this, seq, request] {
+        auto response = std::make_unique<v1::BatchResponse>();
+        Answer(*request, service_->shape_, response.get());
+        std::unique_lock<std::mutex> lock(mu_);
+        --answering_;
+        answers_[seq] = std::move(response);
+        Next next;
+        next.write = WriteNext();
+        next.finish = MaybeFinish();
+        Act(next, lock);
       });
     }
     void OnWriteDone(bool ok) override {
-      if (ok) {
-        StartRead(&request_);
-      } else {
-        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed while writing"));
+      std::unique_lock<std::mutex> lock(mu_);
+      writing_ = false;
+      answers_.erase(next_write_++);
+      if (!ok) broken_ = true;
+      Next next;
+      if (!broken_ && !reads_done_ && !reading_ && next_read_ - next_write_ < kReadAhead) {
+        next.read = ReadNext();
       }
+      next.write = WriteNext();
+      next.finish = MaybeFinish();
+      Act(next, lock);
     }
     void OnDone() override { delete this; }
 
    private:
+    static constexpr uint64_t kReadAhead = 16;
+
+    // What to start once mu_ is released.
+    struct Next {
+      v1::BatchRequest* read = nullptr;
+      const v1::BatchResponse* write = nullptr;
+      std::optional<grpc::Status> finish;
+    };
+
+    // Releases the lock, then starts what `next` says; Finish last, as the final touch.
+    void Act(const Next& next, std::unique_lock<std::mutex>& lock) {
+      lock.unlock();
+      if (next.read != nullptr) StartRead(next.read);
+      if (next.write != nullptr) StartWrite(next.write);
+      if (next.finish) Finish(*next.finish);
+    }
+
+    // The helpers below run with mu_ held and only decide.
+    v1::BatchRequest* ReadNext() {
+      incoming_ = std::make_unique<v1::BatchRequest>();
+      reading_ = true;
+      return incoming_.get();
+    }
+    const v1::BatchResponse* WriteNext() {
+      if (writing_ || broken_ || finished_) return nullptr;
+      const auto next = answers_.find(next_write_);
+      if (next == answers_.end()) return nullptr;
+      writing_ = true;
+      return next->second.get();
+    }
+    std::optional<grpc::Status> MaybeFinish() {
+      if (finished_ || answering_ > 0 || writing_) return std::nullopt;
+      if (broken_) {
+        finished_ = true;
+        return grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed while writing");
+      }
+      if (reads_done_ && !reading_ && next_write_ == next_read_) {
+        finished_ = true;
+        return grpc::Status::OK;
+      }
+      return std::nullopt;
+    }
+
     EchoService* service_;
-    v1::BatchRequest request_;
-    v1::BatchResponse response_;
+    std::mutex mu_;
+    std::unique_ptr<v1::BatchRequest> incoming_;  // the read in progress
+    std::map<uint64_t, std::unique_ptr<v1::BatchResponse>> answers_;  // by request order
+    uint64_t next_read_ = 0;   // order number of the next request read
+    uint64_t next_write_ = 0;  // order number of the next answer to write
+    int answering_ = 0;        // requests being answered on a handler thread
+    bool reading_ = false;
+    bool writing_ = false;
+    bool reads_done_ = false;  // the client half-closed (or the call ended)
+    bool broken_ = false;      // a write failed
+    bool finished_ = false;
   };
 
   template <typename Fn>
@@ -224,12 +363,17 @@ class EchoService final : public v1::Indexer::CallbackService {
     }
   }
 
+  // Answers a unary call with `fill` (which returns the call's status, or nothing for OK).
   template <typename Fn>
   grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx, Fn fill) {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
     Dispatch([reactor, fill = std::move(fill)]() mutable {
-      fill();
-      reactor->Finish(grpc::Status::OK);
+      if constexpr (std::is_same_v<decltype(fill()), grpc::Status>) {
+        reactor->Finish(fill());
+      } else {
+        fill();
+        reactor->Finish(grpc::Status::OK);
+      }
     });
     return reactor;
   }
@@ -249,7 +393,9 @@ int main(int argc, char** argv) {
       "The gRPC floor of the indexer service: serves indexer.v1.Indexer with the real server's\n"
       "gRPC settings and answers every call OK with an answer of the right shape and size,\n"
       "keeping and computing nothing. For scripts/service_bench.py and indexer-bench.\n"
-      "Usage: indexer-echo-server [flags]");
+      "Usage: indexer-echo-server [flags]\n"
+      "  indexer-echo-server --listen=127.0.0.1:0             (a free port, printed)\n"
+      "  indexer-echo-server --listen=unix:/tmp/echo.sock     (a Unix domain socket)");
   absl::ParseCommandLine(argc, argv);
 
   indexer::bench::EchoShape shape;
@@ -257,6 +403,7 @@ int main(int argc, char** argv) {
   shape.layers = absl::GetFlag(FLAGS_layers);
   shape.topk = absl::GetFlag(FLAGS_topk);
   shape.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  shape.check_num_tokens = absl::GetFlag(FLAGS_check_num_tokens);
   const int handler_threads = absl::GetFlag(FLAGS_handler_threads);
   if (shape.head_dim < 1 || shape.layers < 1 || shape.topk < 1 || handler_threads < 0 ||
       shape.max_message_bytes < 1024 || shape.max_message_bytes > (int64_t{1} << 31) - 1) {
@@ -286,8 +433,14 @@ int main(int argc, char** argv) {
   }
   server->GetHealthCheckService()->SetServingStatus("indexer.v1.Indexer", true);
   server->GetHealthCheckService()->SetServingStatus(true);
-  std::fprintf(stderr, "indexer-echo-server serving on port %d (handler threads: %d)\n", port,
-               handler_threads);
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) {
+    std::fprintf(stderr, "indexer-echo-server serving on %s (handler threads: %d)\n",
+                 listen.c_str(), handler_threads);
+  } else {
+    std::fprintf(stderr, "indexer-echo-server serving on port %d (handler threads: %d)\n", port,
+                 handler_threads);
+  }
   std::fflush(stderr);
 
   signals.Wait();

@@ -1,6 +1,7 @@
 // indexer-bench: the load tester of the indexer service. See `indexer-bench --help` and
 // docs/BENCH.md. Exit status: 0 the run completed (no wrong answer, errors within --max_errors);
-// 1 a wrong answer, too many errors, or the servers could not be reached; 2 a usage error.
+// 1 a wrong answer, too many errors, or the servers could not be reached; 2 a usage error;
+// 128 + the signal when interrupted (the reports of what was measured are written first).
 #include <signal.h>
 #include <unistd.h>
 
@@ -30,7 +31,8 @@
 
 // Servers and connections.
 ABSL_FLAG(std::string, servers, "127.0.0.1:50051",
-          "Server addresses host:port, comma-separated; sequences are spread over them by "
+          "Server addresses, comma-separated: host:port, or unix:/path/to/socket for a server "
+          "on a Unix domain socket (any gRPC target works); sequences are spread over them by "
           "consistent hashing of their ids (default: $INDEXER_SERVER when set)");
 ABSL_FLAG(int32_t, connections, 1, "gRPC connections per server; workers use them round-robin");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30),
@@ -55,8 +57,10 @@ ABSL_FLAG(std::string, prefill, "fixed:8192",
           "Prefill length per sequence, tokens: N, fixed:N, uniform:A-B, "
           "lognormal:median=M,sigma=S[,min=A][,max=B] or file:PATH (one length a line)");
 ABSL_FLAG(int32_t, prefill_chunk, 2048, "Tokens per AppendKeys call of a prefill");
-ABSL_FLAG(std::string, decode_steps, "fixed:64",
-          "Decode steps per sequence before it is released (same forms as --prefill; >= 1)");
+ABSL_FLAG(std::string, decode_steps, "uniform:32-512",
+          "Decode steps per sequence before it is released (same forms as --prefill; >= 1). "
+          "Varied by default, so that sequences end, and new ones are prefilled, at different "
+          "steps");
 ABSL_FLAG(int32_t, speculative, 1,
           "Tokens appended and queried per decode step (n > 1: speculative decoding)");
 ABSL_FLAG(double, accept_rate, 0.7,
@@ -83,6 +87,20 @@ ABSL_FLAG(std::string, style, "batch",
           "Call style of decode requests: unary (one SelectBlocks per sequence and layer), batch "
           "(one Batch call per decode step of a worker's sequences) or stream (the same batches "
           "over one BatchStream per worker and server)");
+ABSL_FLAG(int32_t, stream_inflight, 1,
+          "With --style=stream: decode requests each worker keeps in flight on its stream, each "
+          "for its own micro-batch of the worker's sequences (sequence slot i in micro-batch "
+          "i mod N), as a scheduler overlapping micro-batches does; answers are matched by "
+          "request_id and must come back in order");
+ABSL_FLAG(bool, stagger, true,
+          "Start each stage's first sequences part-way through their decode steps (uniformly), "
+          "so that they end, and their slots are prefilled again, one at a time instead of all "
+          "together in the middle of the measurement");
+ABSL_FLAG(std::string, trace, "",
+          "Replay a request trace: a file of lines 'ARRIVAL_S PREFILL DECODE_STEPS' ('#' "
+          "comments); sequence i arrives ARRIVAL_S seconds after the stage's load begins, waits "
+          "for a free slot, and has those lengths (--prefill and --decode_steps are not used). "
+          "The stage ends when the trace is done, or by --duration");
 ABSL_FLAG(int32_t, batch, 8,
           "Live sequences per worker (one simulated scheduler's decode batch); finished "
           "sequences are released and replaced");
@@ -95,7 +113,10 @@ ABSL_FLAG(int32_t, concurrency, 0,
           "open loop");
 ABSL_FLAG(double, rate, 0,
           "Open loop: decode requests per second across all workers (0: closed loop)");
-ABSL_FLAG(std::string, arrivals, "constant", "Open-loop arrivals: constant or poisson");
+ABSL_FLAG(std::string, arrivals, "constant",
+          "Open-loop arrivals: constant, poisson, or file:PATH, the gaps between successive "
+          "requests in microseconds, one a line, replayed in order and again from the top "
+          "(perf_analyzer's --request-intervals; open loop without --rate)");
 ABSL_FLAG(absl::Duration, duration, absl::Seconds(10),
           "Measured time of each stage, after the warm-up (0: no time limit)");
 ABSL_FLAG(absl::Duration, warmup, absl::Seconds(1),
@@ -113,6 +134,20 @@ ABSL_FLAG(absl::Duration, sweep_max_latency, absl::ZeroDuration(),
 ABSL_FLAG(double, sweep_percentile, 99, "The percentile --sweep_max_latency applies to");
 ABSL_FLAG(double, sweep_max_error_rate, 0.01,
           "Stop the sweep after a stage whose failed fraction of decode requests exceeds this");
+ABSL_FLAG(double, stability, 10,
+          "Stability check: each stage's measured window is cut into --stability_windows "
+          "windows, and a stage whose windows' throughput or p50 latency differ from their mean "
+          "by more than this percentage is reported unstable (a warning); identical sweep stages "
+          "that differ by more than it are warned about too. 0: no check");
+ABSL_FLAG(int32_t, stability_windows, 3, "Windows of the stability check (>= 2)");
+ABSL_FLAG(absl::Duration, max_duration, absl::ZeroDuration(),
+          "Longer than --duration: an unstable timed stage is extended one window at a time, up "
+          "to this much measured time, until its last --stability_windows windows agree (0: "
+          "never extend)");
+ABSL_FLAG(absl::Duration, unreachable_timeout, absl::Seconds(10),
+          "End the run with a reason when every call has failed with UNAVAILABLE for this long "
+          "(the servers are down; workers back off from 10 ms to 1 s between attempts "
+          "meanwhile). 0: never");
 ABSL_FLAG(absl::Duration, interval, absl::ZeroDuration(),
           "Resolution of the timeline (latency over time); 0: about a fiftieth of a stage, "
           "0.1s to 5s");
@@ -130,13 +165,17 @@ ABSL_FLAG(std::string, progress, "auto",
           "Live progress line on stderr: auto (when stderr is a terminal), on or off");
 ABSL_FLAG(std::string, summary, "full",
           "Final summary on stdout: full, brief (one line per stage) or off");
-ABSL_FLAG(std::string, json, "", "Write the JSON report here ('-': stdout)");
-ABSL_FLAG(std::string, csv, "", "Write the CSV report (one row per stage) here ('-': stdout)");
+ABSL_FLAG(std::string, json, "",
+          "Write the JSON report here ('-': stdout, alone: the summary then goes to stderr)");
+ABSL_FLAG(std::string, csv, "",
+          "Write the CSV report (one row per stage) here ('-': stdout, alone: the summary then "
+          "goes to stderr)");
 ABSL_FLAG(std::string, html, "", "Write the HTML report (charts; opens offline) here");
 ABSL_FLAG(bool, server_stats, true,
           "Read every server's GetStats when each stage's warm-up ends and when it ends, and "
           "report the difference: backend selections and their time (the kernels), spans per "
-          "selection, handler queue time and server-side latency by RPC");
+          "selection, handler queue time, server-side latency by RPC and the time of each phase "
+          "of a step (indexer_step_phase_seconds, from servers that export it)");
 ABSL_FLAG(int64_t, max_errors, 0,
           "Exit status 1 when more decode requests than this failed (-1: never)");
 
@@ -149,6 +188,8 @@ namespace v1 = indexer::v1;
 constexpr int kOk = 0;
 constexpr int kFailed = 1;
 constexpr int kUsage = 2;
+// Interrupted by a signal: 128 + its number (130 for Ctrl-C), after writing the reports.
+volatile sig_atomic_t interrupted_by = 0;
 constexpr char kVersion[] = "0.1.0";
 
 constexpr char kUsageText[] =
@@ -169,15 +210,19 @@ Usage: indexer-bench [flags]
 
 Examples:
   indexer-bench --servers=127.0.0.1:50051 --duration=20s --concurrency=4
+  indexer-bench --servers=unix:/run/indexer/indexer.sock --style=stream --stream_inflight=2
   indexer-bench --rate=500 --arrivals=poisson --duration=30s --html=report.html
   indexer-bench --sweep=concurrency:1,2,4,8,16 --sweep_max_latency=20ms --json=sweep.json
   indexer-bench --sweep=rate:100..3200*2 --duration=10s --html=sweep.html
   indexer-bench --values=int --check --prefill=uniform:1000-9000 --decode_steps=32 --sequences=64
   indexer-bench --servers=indexer-0:50051,indexer-1:50051 --style=stream --speculative=4
+  indexer-bench --trace=arrivals.txt --batch=32 --json=- | jq .stages[0].latency_ms
 
 Exit status: 0 the run completed with no wrong answer and at most --max_errors failed requests;
-1 a wrong answer, more failed requests, or the servers could not be reached (or a flag could not
-be parsed); 2 a flag's value was refused.
+1 a wrong answer, more failed requests, a stage ended early because the servers could not be
+reached, or they could not be reached at the start; 2 a flag that could not be parsed or a
+refused value; 128 + the signal (130 for Ctrl-C) when interrupted, after writing the reports of
+what was measured.
 )";
 
 // Flags in the order --help lists them, by section.
@@ -188,12 +233,12 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& FlagSection
         "tls_server_name", "token", "virtual_nodes"}},
       {"Workload",
        {"prefill", "prefill_chunk", "decode_steps", "speculative", "accept_rate", "rewind",
-        "heads", "topk",
-        "init_blocks", "local_blocks", "layers", "dtype", "attention_pages", "values", "style",
-        "batch", "seed"}},
+        "heads", "topk", "init_blocks", "local_blocks", "layers", "dtype", "attention_pages",
+        "values", "style", "stream_inflight", "batch", "stagger", "trace", "seed"}},
       {"Load",
        {"concurrency", "rate", "arrivals", "duration", "warmup", "requests", "sequences", "sweep",
-        "sweep_max_latency", "sweep_percentile", "sweep_max_error_rate", "interval"}},
+        "sweep_max_latency", "sweep_percentile", "sweep_max_error_rate", "stability",
+        "stability_windows", "max_duration", "unreachable_timeout", "interval"}},
       {"Correctness", {"check", "tolerance"}},
       {"Output", {"progress", "summary", "json", "csv", "html", "server_stats", "max_errors"}},
   };
@@ -268,7 +313,8 @@ const char* KeyStorageName(v1::KeyStorage s) {
 
 std::string DurationText(absl::Duration d) { return absl::FormatDuration(d); }
 
-void OnSignal(int) {
+void OnSignal(int signal_number) {
+  interrupted_by = signal_number;
   bench::RequestStop();
   signal(SIGINT, SIG_DFL);  // a second Ctrl-C ends the process at once
   signal(SIGTERM, SIG_DFL);
@@ -352,23 +398,51 @@ absl::StatusOr<Plan> PlanFromFlags() {
   if (!style.ok())
     return absl::InvalidArgumentError(absl::StrCat("--style: ", style.status().message()));
   w.style = *style;
+  w.stream_inflight = absl::GetFlag(FLAGS_stream_inflight);
   w.batch = absl::GetFlag(FLAGS_batch);
+  w.stagger = absl::GetFlag(FLAGS_stagger);
+  if (const std::string trace = absl::GetFlag(FLAGS_trace); !trace.empty()) {
+    absl::StatusOr<std::vector<bench::TraceEntry>> entries = bench::ReadTrace(trace);
+    if (!entries.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--trace: ", entries.status().message()));
+    w.trace = std::make_shared<const std::vector<bench::TraceEntry>>(std::move(*entries));
+  }
   w.seed = absl::GetFlag(FLAGS_seed);
   w.id_prefix = absl::StrCat("bench-", getpid(), "-", absl::ToUnixMillis(absl::Now()), "-");
 
   bench::StageSetup base;
   const double rate = absl::GetFlag(FLAGS_rate);
   if (!(rate >= 0)) return absl::InvalidArgumentError("--rate must be >= 0");
-  const bool open_loop = rate > 0 || absl::StartsWith(absl::GetFlag(FLAGS_sweep), "rate:");
+  const std::string arrivals_flag = absl::GetFlag(FLAGS_arrivals);
+  absl::string_view intervals_path = arrivals_flag;
+  const bool replay = absl::ConsumePrefix(&intervals_path, "file:");
+  if (replay) {
+    if (rate > 0 || absl::StartsWith(absl::GetFlag(FLAGS_sweep), "rate:")) {
+      return absl::InvalidArgumentError(
+          "--arrivals=file:PATH sets the request times itself: drop --rate and --sweep=rate");
+    }
+    absl::StatusOr<std::vector<double>> gaps =
+        bench::ReadRequestIntervals(std::string(intervals_path));
+    if (!gaps.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--arrivals: ", gaps.status().message()));
+    double total = 0;
+    for (double g : *gaps) total += g;
+    base.target_rate = static_cast<double>(gaps->size()) / total;
+    base.gaps_s = std::make_shared<const std::vector<double>>(std::move(*gaps));
+    base.arrivals = bench::Arrivals::kReplay;
+  } else {
+    absl::StatusOr<bench::Arrivals> arrivals = bench::ParseArrivals(arrivals_flag);
+    if (!arrivals.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--arrivals: ", arrivals.status().message()));
+    base.arrivals = *arrivals;
+    base.target_rate = rate;
+  }
+  const bool open_loop =
+      rate > 0 || replay || absl::StartsWith(absl::GetFlag(FLAGS_sweep), "rate:");
   base.concurrency = absl::GetFlag(FLAGS_concurrency);
   if (base.concurrency < 0) return absl::InvalidArgumentError("--concurrency must be >= 0");
   if (base.concurrency == 0) base.concurrency = open_loop ? 8 : 1;
-  base.open_loop = rate > 0;
-  base.target_rate = rate;
-  absl::StatusOr<bench::Arrivals> arrivals = bench::ParseArrivals(absl::GetFlag(FLAGS_arrivals));
-  if (!arrivals.ok())
-    return absl::InvalidArgumentError(absl::StrCat("--arrivals: ", arrivals.status().message()));
-  base.arrivals = *arrivals;
+  base.open_loop = rate > 0 || replay;
   base.duration_s = absl::ToDoubleSeconds(absl::GetFlag(FLAGS_duration));
   base.warmup_s = absl::ToDoubleSeconds(absl::GetFlag(FLAGS_warmup));
   base.max_requests = absl::GetFlag(FLAGS_requests);
@@ -377,8 +451,10 @@ absl::StatusOr<Plan> PlanFromFlags() {
     return absl::InvalidArgumentError(
         "--duration, --warmup, --requests and --sequences must be >= 0");
   }
-  if (base.duration_s == 0 && base.max_requests == 0 && base.max_sequences == 0) {
-    return absl::InvalidArgumentError("give a limit: --duration, --requests or --sequences");
+  if (base.duration_s == 0 && base.max_requests == 0 && base.max_sequences == 0 &&
+      w.trace == nullptr) {
+    return absl::InvalidArgumentError(
+        "give a limit: --duration, --requests, --sequences or --trace");
   }
 
   const std::string sweep = absl::GetFlag(FLAGS_sweep);
@@ -389,6 +465,9 @@ absl::StatusOr<Plan> PlanFromFlags() {
   }
   p.sweep.max_error_rate = absl::GetFlag(FLAGS_sweep_max_error_rate);
   const auto label = [](const bench::StageSetup& s) {
+    if (s.arrivals == bench::Arrivals::kReplay) {
+      return absl::StrFormat("replayed intervals (%.4g/s)", s.target_rate);
+    }
     return s.open_loop ? absl::StrFormat("rate %g/s", s.target_rate)
                        : absl::StrCat("concurrency ", s.concurrency);
   };
@@ -439,6 +518,25 @@ absl::StatusOr<Plan> PlanFromFlags() {
   if (!(p.load.tolerance >= 0)) return absl::InvalidArgumentError("--tolerance must be >= 0");
   p.load.seed = w.seed;
   p.load.server_stats = absl::GetFlag(FLAGS_server_stats);
+  p.load.stability_percent = absl::GetFlag(FLAGS_stability);
+  p.load.stability_windows = absl::GetFlag(FLAGS_stability_windows);
+  p.load.max_duration_s = absl::ToDoubleSeconds(absl::GetFlag(FLAGS_max_duration));
+  p.load.unreachable_timeout_s = absl::ToDoubleSeconds(absl::GetFlag(FLAGS_unreachable_timeout));
+  if (!(p.load.stability_percent >= 0)) {
+    return absl::InvalidArgumentError("--stability must be >= 0 (percent)");
+  }
+  if (p.load.stability_windows < 2) {
+    return absl::InvalidArgumentError("--stability_windows must be >= 2");
+  }
+  if (p.load.max_duration_s < 0 || p.load.unreachable_timeout_s < 0) {
+    return absl::InvalidArgumentError("--max_duration and --unreachable_timeout must be >= 0");
+  }
+  if (p.load.max_duration_s > 0 && p.load.max_duration_s < base.duration_s) {
+    return absl::InvalidArgumentError("--max_duration must be at least --duration (or 0)");
+  }
+  if (absl::GetFlag(FLAGS_json) == "-" && absl::GetFlag(FLAGS_csv) == "-") {
+    return absl::InvalidArgumentError("--json and --csv cannot both write to stdout ('-')");
+  }
   const std::string summary = absl::GetFlag(FLAGS_summary);
   if (summary != "full" && summary != "brief" && summary != "off") {
     return absl::InvalidArgumentError("--summary must be full, brief or off");
@@ -558,13 +656,15 @@ int main(int argc, char** argv) {
         static_cast<int64_t>(i.total_pages()), static_cast<int64_t>(i.free_pages())});
   }
   const indexer::kernels::SelectParams params = bench::EffectiveParams(spec, shape);
+  const std::string rewind_text =
+      spec.rewind > 0 ? absl::StrCat(", back to the prefill every ", spec.rewind) : "";
   report.workload = {
-      {"prefill",
-       absl::StrCat(spec.prefill.ToString(), " tokens (chunks of ", spec.prefill_chunk, ")")},
-      {"decode steps", spec.rewind > 0 ? absl::StrCat(spec.decode_steps.ToString(),
-                                                       ", back to the prefill every ",
-                                                       spec.rewind)
-                                        : spec.decode_steps.ToString()},
+      {"prefill", absl::StrCat(spec.trace != nullptr ? "from the trace" : spec.prefill.ToString(),
+                               " tokens (chunks of ", spec.prefill_chunk, ")")},
+      {"decode steps",
+       absl::StrCat(spec.trace != nullptr ? "from the trace" : spec.decode_steps.ToString(),
+                    rewind_text,
+                    spec.trace == nullptr && spec.stagger ? " (first sequences staggered)" : "")},
       {"speculative",
        spec.speculative > 1
            ? absl::StrCat(spec.speculative, " tokens/step, accept rate ", spec.accept_rate)
@@ -576,10 +676,19 @@ int main(int argc, char** argv) {
       {"wire dtype", spec.wire_dtype == v1::VALUE_DTYPE_FP32 ? "fp32" : "bf16"},
       {"attention pages", spec.attention_pages ? "on" : "off"},
       {"values", bench::ValueKindName(spec.values)},
-      {"call style", bench::CallStyleName(spec.style)},
+      {"call style",
+       spec.stream_inflight > 1
+           ? absl::StrCat(bench::CallStyleName(spec.style), ", ", spec.stream_inflight,
+                          " requests in flight per stream (one micro-batch each)")
+           : bench::CallStyleName(spec.style)},
       {"sequences per worker", absl::StrCat(spec.batch)},
       {"seed", absl::StrCat(spec.seed)},
   };
+  if (spec.trace != nullptr) {
+    report.workload.emplace_back(
+        "trace", absl::StrFormat("%s: %d sequences arriving over %.3g s", absl::GetFlag(FLAGS_trace),
+                                 spec.trace->size(), spec.trace->back().at_s));
+  }
   const bench::StageSetup& base = plan->sweep.stages.front();
   report.load = {
       {"mode", plan->sweep.kind.empty() ? (base.open_loop ? "open loop" : "closed loop")
@@ -595,11 +704,22 @@ int main(int argc, char** argv) {
     report.load.emplace_back("rate", plan->sweep.kind == "rate"
                                          ? absl::GetFlag(FLAGS_sweep)
                                          : absl::StrFormat("%g/s", base.target_rate));
-    report.load.emplace_back("arrivals", bench::ArrivalsName(base.arrivals));
+    report.load.emplace_back("arrivals", base.arrivals == bench::Arrivals::kReplay
+                                             ? absl::GetFlag(FLAGS_arrivals)
+                                             : bench::ArrivalsName(base.arrivals));
   }
   if (base.max_requests > 0) report.load.emplace_back("requests", absl::StrCat(base.max_requests));
   if (base.max_sequences > 0)
     report.load.emplace_back("sequences", absl::StrCat(base.max_sequences));
+  if (plan->load.stability_percent > 0) {
+    report.load.emplace_back(
+        "stability", absl::StrCat(plan->load.stability_windows, " windows within ",
+                                  plan->load.stability_percent, "%",
+                                  plan->load.max_duration_s > 0
+                                      ? absl::StrCat(", extended up to ",
+                                                     DurationText(absl::GetFlag(FLAGS_max_duration)))
+                                      : ""));
+  }
   if (!plan->sweep.kind.empty() && plan->sweep.max_latency_ms > 0) {
     report.load.emplace_back("sweep stop", absl::StrCat("p", plan->sweep.percentile * 100, " > ",
                                                         plan->sweep.max_latency_ms, " ms"));
@@ -638,13 +758,28 @@ int main(int argc, char** argv) {
   }
   report.stages = std::move(outcome->stages);
   report.stop_reason = outcome->stop_reason;
+  if (interrupted_by != 0) {
+    report.stop_reason = absl::StrCat("interrupted by ", interrupted_by == SIGINT ? "SIGINT (Ctrl-C)"
+                                                                                  : "SIGTERM");
+  }
+  report.warnings = bench::RunWarnings(report.stages, plan->load.stability_percent);
 
+  // A report written to stdout is alone there: the summary goes to stderr then.
+  const bool stdout_taken = absl::GetFlag(FLAGS_json) == "-" || absl::GetFlag(FLAGS_csv) == "-";
   const std::string summary = absl::GetFlag(FLAGS_summary);
   if (summary != "off") {
+    FILE* to = stdout_taken ? stderr : stdout;
     std::fputs(summary == "brief" ? bench::BriefSummary(report).c_str()
                                   : bench::TextSummary(report).c_str(),
-               stdout);
-    std::fflush(stdout);
+               to);
+    std::fflush(to);
+  } else {
+    for (const std::string& w : report.warnings) {
+      std::fprintf(stderr, "indexer-bench: warning: %s\n", w.c_str());
+    }
+    if (!report.stop_reason.empty()) {
+      std::fprintf(stderr, "indexer-bench: stopped: %s\n", report.stop_reason.c_str());
+    }
   }
   int status = kOk;
   const std::pair<std::string, std::string (*)(const bench::BenchReport&)> exports[] = {
@@ -664,6 +799,11 @@ int main(int argc, char** argv) {
   for (const bench::StageResult& r : report.stages) {
     errors += r.decode().errors;
     mismatches += r.check.mismatches;
+    if (!r.stop_reason.empty() && interrupted_by == 0) {
+      std::fprintf(stderr, "indexer-bench: FAILED: stage '%s' ended early: %s\n",
+                   r.setup.label.c_str(), r.stop_reason.c_str());
+      status = kFailed;
+    }
   }
   if (mismatches > 0) {
     std::fprintf(stderr, "indexer-bench: FAILED: %lld answers differ from the CPU reference\n",
@@ -675,6 +815,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "indexer-bench: FAILED: %lld decode requests failed (--max_errors=%lld)\n",
                  static_cast<long long>(errors), static_cast<long long>(max_errors));
     status = kFailed;
+  }
+  if (interrupted_by != 0) {
+    std::fprintf(stderr, "indexer-bench: interrupted; the reports hold what was measured\n");
+    return 128 + interrupted_by;
   }
   return status;
 }

@@ -1,13 +1,16 @@
 #include "client/bench/recorder.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 
 namespace indexer::bench {
 namespace {
 
 constexpr size_t kMismatchesKept = 5;
+constexpr size_t kErrorsKept = 5;
 
 }  // namespace
 
@@ -86,6 +89,11 @@ void Recorder::RecordDecode(const DecodeRecord& r) {
     d.latency.Record(latency);
   } else {
     ++d.errors;
+    const std::string what = absl::StrCat(CodeName(r.code), ": ", r.message);
+    std::vector<std::string>& first = totals_.first_errors;
+    if (first.size() < kErrorsKept && std::find(first.begin(), first.end(), what) == first.end()) {
+      first.push_back(what);
+    }
   }
   totals_.items += r.items;
   for (const auto& [code, n] : r.item_codes) totals_.item_codes[code] += n;
@@ -119,6 +127,48 @@ void Recorder::RecordCheck(int64_t rows, int64_t tolerated, const std::string& m
     ++c.mismatches;
     if (c.first.size() < kMismatchesKept) c.first.push_back(mismatch);
   }
+}
+
+void Recorder::RecordAdmission(int64_t wait_ns) {
+  std::lock_guard<std::mutex> lock(mu_);
+  totals_.admission_wait.Record(wait_ns);
+}
+
+Clock::time_point Recorder::last_done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_done_;
+}
+
+std::vector<WindowFigures> Recorder::Windows(int count, double window_s,
+                                             Clock::time_point until) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Whole intervals, rounded down so that `count` windows fit in the time they were meant for.
+  const int64_t per_window =
+      std::max<int64_t>(1, static_cast<int64_t>(std::floor(window_s / interval_s_ + 1e-6)));
+  // Intervals [first, end) are wholly measured and complete.
+  // (The slack absorbs the clock's nanosecond rounding.)
+  const int64_t first = static_cast<int64_t>(std::ceil(warmup_s_ / interval_s_ - 1e-6));
+  const int64_t end =
+      static_cast<int64_t>(std::floor(Seconds(until - start_) / interval_s_ + 1e-6));
+  const int64_t n = std::clamp<int64_t>((end - first) / per_window, 0, count);
+  std::vector<WindowFigures> windows;
+  for (int64_t w = 0; w < n; ++w) {
+    const int64_t from = end - (n - w) * per_window;
+    LatencyHistogram latency{5};
+    WindowFigures f;
+    f.start_s = static_cast<double>(from) * interval_s_;
+    f.seconds = static_cast<double>(per_window) * interval_s_;
+    for (int64_t i = from; i < from + per_window; ++i) {
+      if (i < 0 || static_cast<size_t>(i) >= intervals_.size()) continue;
+      const Interval& iv = intervals_[static_cast<size_t>(i)];
+      f.ok += iv.ok;
+      f.errors += iv.errors;
+      latency.Merge(iv.latency);
+    }
+    f.p50_ns = latency.Percentile(0.5);
+    windows.push_back(f);
+  }
+  return windows;
 }
 
 void Recorder::SequenceStarted() {

@@ -13,6 +13,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "client/bench/histogram.h"
 #include "client/bench/pacer.h"
 #include "client/bench/server_stats.h"
+#include "client/bench/stability.h"
 
 namespace indexer::bench {
 
@@ -64,8 +66,9 @@ struct StageSetup {
   std::string label;  // "concurrency 4", "rate 500/s"
   bool open_loop = false;
   int concurrency = 1;     // workers (closed loop: requests in flight; open loop: at most)
-  double target_rate = 0;  // open loop, requests/s
+  double target_rate = 0;  // open loop, requests/s (replayed arrivals: their mean rate)
   Arrivals arrivals = Arrivals::kConstant;
+  std::shared_ptr<const std::vector<double>> gaps_s;  // Arrivals::kReplay: the gaps, in order
   double duration_s = 0;  // 0: unbounded (count-limited)
   double warmup_s = 0;
   int64_t max_requests = 0;   // 0: unbounded
@@ -87,6 +90,10 @@ struct StageResult {
   int64_t sequences_released = 0;
   LatencyHistogram send_lag{8};  // open loop: actual send - intended send, ns
   int64_t not_sent = 0;          // open loop: arrivals dropped at the end (backlog)
+  LatencyHistogram admission_wait{8};  // trace: arrival to a free slot taking it, ns
+  std::vector<std::string> first_errors;  // the first few distinct failure messages
+  std::string stop_reason;  // why the stage ended before its limits ("" when it did not)
+  StabilityVerdict stability;
   std::vector<TimelinePoint> timeline;
   CheckTotals check;
   bool checked = false;
@@ -106,6 +113,7 @@ struct DecodeRecord {
   Clock::time_point done;
   bool measured = true;
   int code = 0;  // the request's status (first failed item's for batches)
+  std::string message;  // its message, when it failed
   int64_t items = 0;
   std::map<int, int64_t> item_codes;
   int64_t selections = 0;
@@ -138,6 +146,8 @@ class Recorder {
   void RecordDecode(const DecodeRecord& r);
   void RecordOther(Op op, Clock::duration latency, int code, int64_t tokens = 0);
   void RecordCheck(int64_t rows, int64_t tolerated, const std::string& mismatch);
+  // A trace's sequence waited this long between its arrival and a worker taking it.
+  void RecordAdmission(int64_t wait_ns);
   void SequenceStarted();
   void SequenceReleased();
   void NotSent(int64_t n);
@@ -146,6 +156,12 @@ class Recorder {
   Clock::time_point warmup_end() const;
 
   ProgressSnapshot Snapshot() const;
+  // Up to `count` consecutive windows of at most `window_s` (whole timeline intervals), the last
+  // ending at the last interval complete at `until`, none reaching into the warm-up: fewer when
+  // the measured time is shorter.
+  std::vector<WindowFigures> Windows(int count, double window_s, Clock::time_point until) const;
+  // When the latest measured decode request completed.
+  Clock::time_point last_done() const;
   // The stage's figures; call once every worker has stopped.
   StageResult Finish(const StageSetup& setup, double offset_s, double wall_s, bool checked) const;
 

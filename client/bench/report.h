@@ -46,7 +46,14 @@ struct BenchReport {
   bool exact_check = false;
   double interval_s = 1;
   std::vector<StageResult> stages;
+  // Things a reader must know to trust the figures (unstable stages, identical stages that
+  // disagree), one sentence each.
+  std::vector<std::string> warnings;
 };
+
+// A server-side phase's share of a decode request: microseconds per decode request of the
+// window (phase time / requests), for tables; 0 without requests.
+double PhaseUsPerRequest(const StageResult& r, const HistogramTotals& phase);
 
 // The percentiles every summary reports, in order, with their labels.
 struct PercentileSpec {

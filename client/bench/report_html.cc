@@ -1,5 +1,6 @@
 // The HTML rendering of a BenchReport: one standalone page, inline CSS and SVG, no script.
 #include <algorithm>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -45,9 +46,9 @@ std::string LatencyOverTime(const BenchReport& report) {
   std::vector<ChartSeries> series;
   for (size_t i = 0; i < report.stages.size(); ++i) {
     const StageResult& r = report.stages[i];
-    ChartSeries p50{i == 0 ? "p50" : "", kP50Color, {}, false, false};
-    ChartSeries p99{i == 0 ? "p99" : "", kP99Color, {}, false, false};
-    ChartSeries max{i == 0 ? "max" : "", "#aaaaaa", {}, true, false};
+    ChartSeries p50{i == 0 ? "p50" : "", kP50Color, {}, false, false, {}};
+    ChartSeries p99{i == 0 ? "p99" : "", kP99Color, {}, false, false, {}};
+    ChartSeries max{i == 0 ? "max" : "", "#aaaaaa", {}, true, false, {}};
     double warm_end = -1;
     for (const TimelinePoint& p : r.timeline) {
       const double t = r.offset_s + p.start_s + p.seconds / 2;
@@ -77,8 +78,8 @@ std::string ThroughputOverTime(const BenchReport& report) {
   std::vector<ChartSeries> series;
   for (size_t i = 0; i < report.stages.size(); ++i) {
     const StageResult& r = report.stages[i];
-    ChartSeries ok{i == 0 ? "ok" : "", "#1f77b4", {}, false, false};
-    ChartSeries errors{"", "#d62728", {}, false, false};
+    ChartSeries ok{i == 0 ? "ok" : "", "#1f77b4", {}, false, false, {}};
+    ChartSeries errors{"", "#d62728", {}, false, false, {}};
     bool any_errors = false;
     for (const TimelinePoint& p : r.timeline) {
       const double t = r.offset_s + p.start_s + p.seconds / 2;
@@ -114,7 +115,8 @@ std::string LatencyCdf(const BenchReport& report) {
                   kPalette[i % 8],
                   {},
                   false,
-                  false};
+                  false,
+                  {}};
     s.points.emplace_back(Ms(h.min()), 0.0);
     int64_t seen = 0;
     for (const LatencyHistogram::Bucket& b : h.Buckets()) {
@@ -153,9 +155,9 @@ std::string ThroughputVsLatency(const BenchReport& report) {
     o.threshold_y = report.sweep_max_latency_ms;
     o.threshold_label = absl::StrCat("threshold ", report.sweep_max_latency_ms, " ms");
   }
-  ChartSeries p50{"p50", kP50Color, {}, false, true};
-  ChartSeries p90{"p90", kP90Color, {}, false, true};
-  ChartSeries p99{"p99", kP99Color, {}, false, true};
+  ChartSeries p50{"p50", kP50Color, {}, false, true, {}};
+  ChartSeries p90{"p90", kP90Color, {}, false, true, {}};
+  ChartSeries p99{"p99", kP99Color, {}, false, true, {}};
   for (size_t i = 0; i < report.stages.size(); ++i) {
     const StageResult& r = report.stages[i];
     if (r.decode().latency.empty()) continue;
@@ -168,6 +170,151 @@ std::string ThroughputVsLatency(const BenchReport& report) {
     p99.points.emplace_back(r.throughput(), Ms(r.decode().latency.Percentile(0.99)));
   }
   return LineChart(o, {p99, p90, p50});
+}
+
+// The servers' own figures per stage (GetStats over the measured window): latency by RPC,
+// handler and batcher queues, backend time, and the phases of a step when the servers export
+// them; each in microseconds per decode request or per call, as the header says.
+std::string ServerTable(const BenchReport& report) {
+  std::set<std::string> phases;
+  bool any = false;
+  for (const StageResult& r : report.stages) {
+    any |= r.server.available;
+    for (const auto& [phase, t] : r.server.delta.phases) phases.insert(phase);
+  }
+  std::string h = "<h2>Server-side breakdown</h2>\n";
+  if (!any) {
+    const std::string note = report.stages.empty() ? "" : report.stages.front().server.note;
+    return h + absl::StrCat("<p class=\"sub\">No server figures: ", EscapeXml(note), "</p>\n");
+  }
+  h += "<div class=\"scroll\"><table>\n<tr><th>#</th><th>load</th><th>client p50 us</th>"
+       "<th>client mean us</th><th>server latency (mean us by RPC)</th><th>handler queue us</th>"
+       "<th>batcher queue us</th><th>backend us / request</th><th>backend mean us</th>"
+       "<th>spans / selection</th>";
+  for (const std::string& phase : phases)
+    absl::StrAppend(&h, "<th>", EscapeXml(phase.empty() ? "(no phase)" : phase), " us</th>");
+  h += "</tr>\n";
+  for (size_t i = 0; i < report.stages.size(); ++i) {
+    const StageResult& r = report.stages[i];
+    const LatencyHistogram& l = r.decode().latency;
+    absl::StrAppend(&h, "<tr>", Cell(absl::StrCat(i + 1), true), Cell(r.setup.label),
+                    Cell(absl::StrFormat("%.1f", static_cast<double>(l.Percentile(0.5)) / 1e3),
+                         true),
+                    Cell(absl::StrFormat("%.1f", l.mean() / 1e3), true));
+    if (!r.server.available) {
+      absl::StrAppend(&h, "<td colspan=\"", 6 + phases.size(), "\">", EscapeXml(r.server.note),
+                      "</td></tr>\n");
+      continue;
+    }
+    const ServerCounters& d = r.server.delta;
+    const int64_t requests = r.decode().ok + r.decode().errors;
+    std::string rpcs;
+    for (const auto& [rpc, t] : d.request_seconds) {
+      absl::StrAppendFormat(&rpcs, "%s%s %.1f", rpcs.empty() ? "" : ", ", rpc, t.mean() * 1e6);
+    }
+    absl::StrAppend(
+        &h, Cell(rpcs.empty() ? "-" : rpcs),
+        Cell(absl::StrFormat("%.1f", d.queue_seconds.mean() * 1e6), true),
+        Cell(d.batch_calls.count > 0 ? absl::StrFormat("%.1f", d.batch_queue_seconds.mean() * 1e6)
+                                     : "-",
+             true),
+        Cell(absl::StrFormat("%.1f", requests > 0 ? d.select_seconds.sum * 1e6 /
+                                                        static_cast<double>(requests)
+                                                  : 0.0),
+             true),
+        Cell(absl::StrFormat("%.1f", d.select_seconds.mean() * 1e6), true),
+        Cell(absl::StrFormat("%.2f", d.select_spans.mean()), true));
+    for (const std::string& phase : phases) {
+      const auto it = d.phases.find(phase);
+      h += Cell(it == d.phases.end() ? "-"
+                                     : absl::StrFormat("%.1f", PhaseUsPerRequest(r, it->second)),
+                true);
+    }
+    h += "</tr>\n";
+  }
+  h += "</table></div>\n";
+  absl::StrAppend(
+      &h, "<p class=\"sub\">From the servers' GetStats at the end of the warm-up and of the "
+          "stage. Backend: the selections' time (kernels with their copies on a GPU), per decode "
+          "request and per selection.",
+      phases.empty() ? " The servers export no step phases (indexer_step_phase_seconds)."
+                     : " Phases (indexer_step_phase_seconds): microseconds per decode request.",
+      "</p>\n");
+  return h;
+}
+
+// The phases of the headline stage as bars, when the servers export them.
+std::string PhaseChart(const StageResult& r) {
+  std::vector<std::string> labels;
+  std::vector<double> values;
+  for (const auto& [phase, t] : r.server.delta.phases) {
+    labels.push_back(phase.empty() ? "(none)" : phase);
+    values.push_back(PhaseUsPerRequest(r, t));
+  }
+  ChartOptions o;
+  o.title = "Server time per decode request, by phase";
+  o.x_label = "phase";
+  o.y_label = "us per request";
+  // Room for every phase's name under its bar.
+  size_t longest = 0;
+  for (const std::string& l : labels) longest = std::max(longest, l.size());
+  o.width = std::max(o.width, 90 + static_cast<int>(labels.size() * (longest * 6 + 10)));
+  return BarChart(o, labels, values, "#72b7b2");
+}
+
+// Open-loop stages: how late requests left against their arrival times, and what was not sent;
+// trace stages: how long arrivals waited for a free slot.
+std::string LagTable(const BenchReport& report) {
+  std::string h;
+  bool open = false, trace = false;
+  for (const StageResult& r : report.stages) {
+    open |= r.setup.open_loop;
+    trace |= !r.admission_wait.empty();
+  }
+  if (open) {
+    h += "<h2>Open-loop send lag</h2>\n<div class=\"scroll\"><table>\n<tr><th>#</th>"
+         "<th>load</th><th>target req/s</th><th>achieved req/s</th><th>lag p50 ms</th>"
+         "<th>lag p90 ms</th><th>lag p99 ms</th><th>lag max ms</th><th>not sent</th></tr>\n";
+    for (size_t i = 0; i < report.stages.size(); ++i) {
+      const StageResult& r = report.stages[i];
+      if (!r.setup.open_loop) continue;
+      const LatencyHistogram& g = r.send_lag;
+      absl::StrAppend(&h, "<tr>", Cell(absl::StrCat(i + 1), true), Cell(r.setup.label),
+                      Cell(absl::StrFormat("%.1f", r.setup.target_rate), true),
+                      Cell(absl::StrFormat("%.1f", r.throughput()), true));
+      for (double q : {0.5, 0.9, 0.99}) {
+        h += Cell(FormatMs(static_cast<double>(g.Percentile(q))), true);
+      }
+      absl::StrAppend(&h, Cell(FormatMs(static_cast<double>(g.max())), true),
+                      Cell(absl::StrCat(r.not_sent), true), "</tr>\n");
+    }
+    h += "</table></div>\n<p class=\"sub\">Send lag: actual send - intended send (every worker "
+         "was busy); it counts in the latency, so a server that falls behind shows as latency.</p>\n";
+  }
+  if (trace) {
+    h += "<h2>Trace admission</h2>\n<table>\n<tr><th>#</th><th>sequences</th><th>wait p50 ms</th>"
+         "<th>wait p99 ms</th><th>wait max ms</th></tr>\n";
+    for (size_t i = 0; i < report.stages.size(); ++i) {
+      const LatencyHistogram& a = report.stages[i].admission_wait;
+      if (a.empty()) continue;
+      absl::StrAppend(&h, "<tr>", Cell(absl::StrCat(i + 1), true),
+                      Cell(absl::StrCat(a.count()), true),
+                      Cell(FormatMs(static_cast<double>(a.Percentile(0.5))), true),
+                      Cell(FormatMs(static_cast<double>(a.Percentile(0.99))), true),
+                      Cell(FormatMs(static_cast<double>(a.max())), true), "</tr>\n");
+    }
+    h += "</table>\n<p class=\"sub\">A trace's sequence waits from its arrival until a worker "
+         "has a free slot for it.</p>\n";
+  }
+  return h;
+}
+
+std::string StabilityCell(const StabilityVerdict& v) {
+  if (!v.checked) return Cell("-");
+  return Cell(absl::StrFormat("%s (±%.0f%% / ±%.0f%%)%s", v.stable ? "yes" : "NO",
+                              v.throughput_spread * 100, v.p50_spread * 100,
+                              v.extensions > 0 ? absl::StrCat(", +", v.extensions, " windows")
+                                               : std::string()));
 }
 
 constexpr char kStyle[] = R"(
@@ -190,6 +337,10 @@ tr.over td { background: #fdecea; }
 .charts { display: flex; flex-wrap: wrap; gap: 12px; }
 .charts svg { border: 1px solid #ddd; border-radius: 4px; }
 .bad { color: #c0392b; }
+.warn { background: #fff4e5; border: 1px solid #f0b37e; border-radius: 4px; padding: 6px 10px;
+        margin: 6px 0; font-size: 13px; }
+.scroll { overflow-x: auto; max-width: 100%; }
+code { white-space: pre-wrap; word-break: break-all; }
 )";
 
 }  // namespace
@@ -237,6 +388,14 @@ std::string HtmlReport(const BenchReport& report) {
     h += "</div>\n";
   }
 
+  for (const std::string& w : report.warnings) {
+    absl::StrAppend(&h, "<div class=\"warn\">Warning: ", EscapeXml(w), "</div>\n");
+  }
+  if (!report.stop_reason.empty()) {
+    absl::StrAppend(&h, "<div class=\"warn\">Stopped early: ", EscapeXml(report.stop_reason),
+                    "</div>\n");
+  }
+
   h += "<h2>Charts</h2>\n<div class=\"charts\">\n";
   h += LatencyOverTime(report);
   h += ThroughputOverTime(report);
@@ -245,13 +404,15 @@ std::string HtmlReport(const BenchReport& report) {
     h += Histogram(*head, report.stages.size() > 1 ? head->setup.label : "");
   }
   h += ThroughputVsLatency(report);
+  if (head != nullptr && !head->server.delta.phases.empty()) h += PhaseChart(*head);
   h += "</div>\n";
 
-  h += "<h2>Stages</h2>\n<table>\n<tr><th>#</th><th>load</th><th>mode</th><th>req/s</"
-       "th><th>selections/s</th>";
+  h += "<h2>Stages</h2>\n<div class=\"scroll\"><table>\n<tr><th>#</th><th>load</th><th>mode</th>"
+       "<th>req/s</th><th>selections/s</th>";
   for (const PercentileSpec& p : ReportedPercentiles())
     absl::StrAppend(&h, "<th>", p.label, " ms</th>");
-  h += "<th>max ms</th><th>ok</th><th>errors</th><th>status codes</th></tr>\n";
+  h += "<th>max ms</th><th>ok</th><th>errors</th><th>status codes</th><th>stable (throughput / "
+       "p50)</th></tr>\n";
   for (size_t i = 0; i < report.stages.size(); ++i) {
     const StageResult& r = report.stages[i];
     const LatencyHistogram& l = r.decode().latency;
@@ -269,12 +430,21 @@ std::string HtmlReport(const BenchReport& report) {
     absl::StrAppend(&h, Cell(FormatMs(static_cast<double>(l.max())), true),
                     Cell(absl::StrCat(r.decode().ok), true),
                     Cell(absl::StrCat(r.decode().errors), true), Cell(CodesText(r.decode().codes)),
-                    "</tr>\n");
+                    StabilityCell(r.stability), "</tr>\n");
   }
-  h += "</table>\n";
-  if (!report.stop_reason.empty()) {
-    absl::StrAppend(&h, "<p>Sweep stopped: ", EscapeXml(report.stop_reason), "</p>\n");
+  h += "</table></div>\n";
+  for (size_t i = 0; i < report.stages.size(); ++i) {
+    const StageResult& r = report.stages[i];
+    for (const std::string& e : r.first_errors) {
+      absl::StrAppend(&h, "<p class=\"bad\">Stage ", i + 1, " error: ", EscapeXml(e), "</p>\n");
+    }
+    if (!r.stop_reason.empty()) {
+      absl::StrAppend(&h, "<p class=\"bad\">Stage ", i + 1, " ended early: ",
+                      EscapeXml(r.stop_reason), "</p>\n");
+    }
   }
+  h += ServerTable(report);
+  h += LagTable(report);
 
   h += "<h2>Other "
        "operations</h2>\n<table>\n<tr><th>#</th><th>operation</th><th>calls</th><th>errors</th>"

@@ -67,6 +67,41 @@ void ServerStatsObject(JsonWriter& j, const StageResult& r) {
     j.EndObject();
   }
   j.EndObject();
+  // indexer_step_phase_seconds by phase: mean of an observation and time per decode request.
+  j.Field("phases_available", d.has_phases);
+  j.Key("phases").BeginObject();
+  for (const auto& [phase, t] : d.phases) {
+    j.Key(phase).BeginObject(true);
+    j.Field("count", t.count);
+    j.Field("mean_us", t.mean() * 1e6);
+    j.Field("us_per_request", PhaseUsPerRequest(r, t));
+    j.EndObject();
+  }
+  j.EndObject();
+  j.EndObject();
+}
+
+void StabilityObject(JsonWriter& j, const StabilityVerdict& v) {
+  j.BeginObject();
+  j.Field("checked", v.checked);
+  j.Field("stable", v.stable);
+  j.Field("percent", v.percent);
+  j.Field("throughput_spread_pct", v.throughput_spread * 100);
+  j.Field("p50_spread_pct", v.p50_spread * 100);
+  j.Field("extensions", v.extensions);
+  j.Field("note", v.note);
+  j.Key("windows").BeginArray();
+  for (const WindowFigures& w : v.windows) {
+    j.BeginObject(true);
+    j.Field("t_s", w.start_s);
+    j.Field("seconds", w.seconds);
+    j.Field("ok", w.ok);
+    j.Field("errors", w.errors);
+    j.Field("rps", w.rps());
+    j.Field("p50_ms", Ms(w.p50_ns));
+    j.EndObject();
+  }
+  j.EndArray();
   j.EndObject();
 }
 
@@ -124,6 +159,16 @@ void StageObject(JsonWriter& j, const StageResult& r) {
     j.Key("send_lag_ms");
     LatencyObject(j, r.send_lag);
   }
+  if (!r.admission_wait.empty()) {
+    j.Key("admission_wait_ms");
+    LatencyObject(j, r.admission_wait);
+  }
+  j.Key("first_errors").BeginArray();
+  for (const std::string& e : r.first_errors) j.Value(e);
+  j.EndArray();
+  j.Field("stop_reason", r.stop_reason);
+  j.Key("stability");
+  StabilityObject(j, r.stability);
   j.Key("operations").BeginObject();
   for (Op op : {Op::kPrefill, Op::kTruncate, Op::kRelease}) {
     const OpTotals& o = r.ops[static_cast<int>(op)];
@@ -228,6 +273,9 @@ std::string JsonReport(const BenchReport& report) {
   j.Field("interval_s", report.interval_s);
   j.Key("stages").BeginArray();
   for (const StageResult& r : report.stages) StageObject(j, r);
+  j.EndArray();
+  j.Key("warnings").BeginArray();
+  for (const std::string& w : report.warnings) j.Value(w);
   j.EndArray();
   j.EndObject();
   return j.str() + "\n";

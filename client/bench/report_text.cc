@@ -52,7 +52,25 @@ void AppendHistogram(const LatencyHistogram& h, std::string* out) {
   }
 }
 
+// The phases of a step as the servers timed them, in microseconds per decode request.
+std::string PhasesLine(const StageResult& r) {
+  std::vector<std::string> parts;
+  double total = 0;
+  for (const auto& [phase, t] : r.server.delta.phases) {
+    const double us = PhaseUsPerRequest(r, t);
+    total += us;
+    parts.push_back(absl::StrFormat("%s %.1f", phase.empty() ? "(none)" : phase, us));
+  }
+  return absl::StrFormat("  server phases    %s (us per request; %.1f in all)\n",
+                         absl::StrJoin(parts, ", "), total);
+}
+
 }  // namespace
+
+double PhaseUsPerRequest(const StageResult& r, const HistogramTotals& phase) {
+  const int64_t requests = r.decode().ok + r.decode().errors;
+  return requests > 0 ? phase.sum * 1e6 / static_cast<double>(requests) : 0.0;
+}
 
 const std::vector<PercentileSpec>& ReportedPercentiles() {
   static const std::vector<PercentileSpec> kPercentiles = {
@@ -151,6 +169,14 @@ std::string TextSummary(const BenchReport& report) {
                             FormatMs(static_cast<double>(r.send_lag.Percentile(0.99))),
                             FormatMs(static_cast<double>(r.send_lag.max())));
     }
+    if (!r.admission_wait.empty()) {
+      absl::StrAppendFormat(&out,
+                            "  admission (ms)   p50 %s  p99 %s  max %s (trace arrival to a free "
+                            "slot: the batch was full)\n",
+                            FormatMs(static_cast<double>(r.admission_wait.Percentile(0.5))),
+                            FormatMs(static_cast<double>(r.admission_wait.Percentile(0.99))),
+                            FormatMs(static_cast<double>(r.admission_wait.max())));
+    }
     if (r.not_sent > 0) {
       absl::StrAppend(&out, "  NOT SENT         ", Count(r.not_sent),
                       " arrivals still queued after the end (the load outran the workers: raise "
@@ -192,9 +218,15 @@ std::string TextSummary(const BenchReport& report) {
                               t.mean() * 1e6);
       }
       absl::StrAppend(&out, line, " (GetStats over the measured window)\n");
+      if (!sd.phases.empty()) absl::StrAppend(&out, PhasesLine(r));
     }
     absl::StrAppendFormat(&out, "  sequences        %s started, %s released; stage took %.2f s\n",
                           Count(r.sequences_started), Count(r.sequences_released), r.wall_s);
+    if (r.stability.checked) {
+      absl::StrAppend(&out, "  stability        ", DescribeStability(r.stability), "\n");
+    }
+    for (const std::string& e : r.first_errors) absl::StrAppend(&out, "  error            ", e, "\n");
+    if (!r.stop_reason.empty()) absl::StrAppend(&out, "  ended early      ", r.stop_reason, "\n");
     if (r.checked) {
       const CheckTotals& c = r.check;
       absl::StrAppend(&out, "  correctness      ", Count(c.responses), " answers (", Count(c.rows),
@@ -226,8 +258,12 @@ std::string TextSummary(const BenchReport& report) {
     }
     absl::StrAppend(&out, "(latencies in ms)\n");
   }
-  if (!report.stop_reason.empty())
-    absl::StrAppend(&out, "sweep stopped: ", report.stop_reason, "\n");
+  if (!report.stop_reason.empty()) {
+    absl::StrAppend(&out, stages > 1 || !report.sweep_kind.empty() ? "sweep stopped: "
+                                                                    : "run stopped: ",
+                    report.stop_reason, "\n");
+  }
+  for (const std::string& w : report.warnings) absl::StrAppend(&out, "warning: ", w, "\n");
   return out;
 }
 
@@ -248,8 +284,11 @@ std::string BriefSummary(const BenchReport& report) {
           &out, "; ", Count(r.check.responses), " answers checked against the CPU reference",
           report.exact_check ? " (exact)" : "", ": ", Count(r.check.mismatches), " mismatches");
     }
+    if (!r.stability.stable) absl::StrAppend(&out, "; NOT STABLE");
     absl::StrAppend(&out, "\n");
   }
+  if (!report.stop_reason.empty()) absl::StrAppend(&out, "stopped: ", report.stop_reason, "\n");
+  for (const std::string& w : report.warnings) absl::StrAppend(&out, "warning: ", w, "\n");
   return out;
 }
 

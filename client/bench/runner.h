@@ -2,7 +2,8 @@
 // loop (each worker sends its next decode request as soon as the last one answered) or open loop
 // (requests start at ArrivalPacer times, latency counted from the intended time), stops them by
 // duration, request count or sequence count, and runs sweeps of stages over concurrency or rate
-// that stop once a latency threshold is crossed.
+// that stop once a latency threshold is crossed. A timed stage may be extended until it is
+// stable (LoadOptions::max_duration_s), and ends early when the servers cannot be reached.
 //
 // Threads: RunStage and RunSweep block the calling thread and start their own workers;
 // RequestStop may be called from any thread (or a signal handler) to end the run early, keeping
@@ -33,20 +34,29 @@ struct LoadOptions {
   // Read the servers' GetStats when the warm-up ends and when the stage ends, and report the
   // difference (StageResult::server).
   bool server_stats = true;
+  // The stability check (stability.h): the measured window cut into this many windows, each
+  // within this percentage of their mean (0: no check).
+  double stability_percent = 10;
+  int stability_windows = 3;
+  // Above the stage's duration: an unstable timed stage is extended one window at a time, up to
+  // this much measured time, until its last windows agree.
+  double max_duration_s = 0;
+  // End the stage when every call has failed with UNAVAILABLE for this long (0: never).
+  double unreachable_timeout_s = 10;
 };
 
 // Progress callback: called about twice a second from the stage's own thread.
 using ProgressFn =
     std::function<void(const StageSetup&, int stage, int stages, const ProgressSnapshot&)>;
 
-// Ends every running stage soon (workers finish the request in flight). Async-signal-safe.
+// Ends every running stage soon (workers finish the requests in flight). Async-signal-safe.
 void RequestStop();
 bool StopRequested();
 
 // Runs one stage with fresh sequences: workers (setup.concurrency) each with a
 // SimulatedScheduler on connections[worker % connections.size()], initial prefills, then the
 // load until the stage's limits, then releases everything. `offset_s` is stamped on the result.
-// INVALID_ARGUMENT when the setup has no limit or no workers.
+// INVALID_ARGUMENT when the setup has no limit (a duration, counts or a trace) or no workers.
 absl::StatusOr<StageResult> RunStage(const StageSetup& setup, const WorkloadSpec& spec,
                                      const ServerShape& shape, const ValuePool& pool,
                                      const std::vector<client::ShardedClient*>& connections,
@@ -72,10 +82,20 @@ struct SweepOutcome {
 };
 
 // Runs the plan's stages in order (each with its own sequences, ids prefixed per stage), stopping
-// early per the plan or RequestStop. Stage ids are spec.id_prefix + "s<stage>-" + index.
+// early per the plan, when a stage ended early (its stop_reason) or on RequestStop; the outcome
+// says why. Stage ids are spec.id_prefix + "s<stage>-" + index. An error before any stage ran
+// fails the call; one later stops the sweep with the stages run so far.
 absl::StatusOr<SweepOutcome> RunSweep(const SweepPlan& plan, const WorkloadSpec& spec,
                                       const ServerShape& shape, const ValuePool& pool,
                                       const std::vector<client::ShardedClient*>& connections,
                                       const LoadOptions& options, const ProgressFn& progress);
+
+// Stages of a sweep run with identical settings (the same label) whose throughput or p50
+// latency differ by more than `percent` (of the smaller): one warning each, naming the stages.
+std::vector<std::string> IdenticalStageWarnings(const std::vector<StageResult>& stages,
+                                                double percent);
+
+// The warnings of a finished run: each stage found unstable, then IdenticalStageWarnings.
+std::vector<std::string> RunWarnings(const std::vector<StageResult>& stages, double percent);
 
 }  // namespace indexer::bench

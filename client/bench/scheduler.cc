@@ -15,12 +15,39 @@ int CodeOf(const absl::Status& status) { return static_cast<int>(status.code());
 }  // namespace
 
 SequenceSource::SequenceSource(const WorkloadSpec& spec, int64_t max_sequences)
-    : spec_(spec), max_(max_sequences) {}
+    : spec_(spec), max_(max_sequences) {
+  if (spec.trace != nullptr) {
+    const int64_t n = static_cast<int64_t>(spec.trace->size());
+    max_ = max_ > 0 ? std::min(max_, n) : n;
+  }
+}
 
-std::optional<SequencePlan> SequenceSource::Next() {
+void SequenceSource::Begin(Clock::time_point start) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (closed_ || (max_ > 0 && next_ >= max_)) return std::nullopt;
-  return PlanSequence(spec_, next_++);
+  begun_ = true;
+  start_ = start;
+}
+
+SequenceSource::Offer SequenceSource::Next() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Offer offer;
+  if (closed_ || (max_ > 0 && next_ >= max_)) {
+    offer.done = true;
+    return offer;
+  }
+  if (spec_.trace != nullptr) {
+    const double at_s = (*spec_.trace)[static_cast<size_t>(next_)].at_s;
+    const Clock::time_point at =
+        start_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(at_s));
+    const Clock::time_point now = Clock::now();
+    if (at_s > 0 && (!begun_ || at > now)) {
+      if (begun_) offer.next_arrival = at;
+      return offer;
+    }
+    if (begun_) offer.admission_wait_ns = std::max<int64_t>(0, Nanos(now - at));
+  }
+  offer.plan = PlanSequence(spec_, next_++, /*staggered=*/!begun_);
+  return offer;
 }
 
 void SequenceSource::Close() {
@@ -48,9 +75,20 @@ struct SimulatedScheduler::PendingItem {
   std::vector<int32_t> new_attn;
 };
 
+struct SimulatedScheduler::InFlight {
+  int group = 0;
+  std::vector<PendingItem> items;
+  DecodeRecord record;
+};
+
 SimulatedScheduler::SimulatedScheduler(const SchedulerContext& context,
                                        client::ShardedClient& client, uint64_t seed)
-    : ctx_(context), client_(client), rng_(seed), slots_(context.spec->batch) {}
+    : ctx_(context), client_(client), rng_(seed), slots_(context.spec->batch) {
+  if (context.spec->style == CallStyle::kStream && context.spec->stream_inflight > 1) {
+    pipeline_ = std::make_unique<PipelinedStream>(client);
+    group_busy_.assign(static_cast<size_t>(context.spec->stream_inflight), false);
+  }
+}
 
 SimulatedScheduler::~SimulatedScheduler() = default;
 
@@ -60,6 +98,7 @@ std::unique_ptr<SimulatedScheduler::Slot> SimulatedScheduler::StartSequence(
   const ServerShape& shape = *ctx_.shape;
   auto slot = std::make_unique<Slot>();
   slot->plan = plan;
+  slot->steps_done = plan.start_step;
   if (ctx_.check) slot->host.emplace(spec.layers, shape.head_dim, shape.key_storage);
   ctx_.recorder->SequenceStarted();
   const size_t row = static_cast<size_t>(shape.layers) * shape.head_dim;
@@ -71,6 +110,7 @@ std::unique_ptr<SimulatedScheduler::Slot> SimulatedScheduler::StartSequence(
     request.set_all_layers(true);
     request.set_dtype(spec.wire_dtype);
     request.set_keys(PackSlice(keys, spec.wire_dtype));
+    request.set_num_tokens(static_cast<uint32_t>(n));
     std::vector<int32_t> fresh;
     if (spec.attention_pages) {
       for (int64_t b = BlocksFor(slot->length); b < BlocksFor(slot->length + n); ++b) {
@@ -82,6 +122,7 @@ std::unique_ptr<SimulatedScheduler::Slot> SimulatedScheduler::StartSequence(
     const Clock::time_point t0 = Clock::now();
     absl::StatusOr<v1::AppendKeysResponse> r = client_.AppendKeys(request, ctx_.call);
     ctx_.recorder->RecordOther(Op::kPrefill, Clock::now() - t0, CodeOf(r.status()), n);
+    Note(CodeOf(r.status()), std::string(r.status().message()));
     if (!r.ok()) {
       Release(*slot);  // whatever was appended before the failure
       return nullptr;
@@ -104,21 +145,35 @@ void SimulatedScheduler::Release(Slot& slot) {
   slot.length = 0;
 }
 
-bool SimulatedScheduler::Refill() {
+void SimulatedScheduler::Note(int code, const std::string& message) {
+  last_code_ = code;
+  last_message_ = message;
+}
+
+SimulatedScheduler::RefillState SimulatedScheduler::Refill() {
   for (std::unique_ptr<Slot>& slot : slots_) {
     if (slot != nullptr && slot->finished) {
       Release(*slot);
       slot.reset();
     }
   }
+  RefillState state;
   for (std::unique_ptr<Slot>& slot : slots_) {
     if (slot != nullptr) continue;
-    std::optional<SequencePlan> plan = ctx_.source->Next();
-    if (!plan) break;
-    slot = StartSequence(*plan);
+    SequenceSource::Offer offer = ctx_.source->Next();
+    if (!offer.plan) {
+      state.source_done = offer.done;
+      state.next_arrival = offer.next_arrival;
+      break;
+    }
+    if (offer.admission_wait_ns >= 0) ctx_.recorder->RecordAdmission(offer.admission_wait_ns);
+    slot = StartSequence(*offer.plan);
     if (slot == nullptr) break;  // the server refused a prefill: try again next time
   }
-  return std::any_of(slots_.begin(), slots_.end(), [](const auto& s) { return s != nullptr; });
+  for (const std::unique_ptr<Slot>& slot : slots_) state.live += slot != nullptr ? 1 : 0;
+  // A full batch has not asked the source: more may come.
+  if (state.live > 0) state.source_done = false;
+  return state;
 }
 
 v1::SelectBlocksRequest SimulatedScheduler::MakeItem(Slot& slot, int slot_index, int layer,
@@ -137,6 +192,7 @@ v1::SelectBlocksRequest SimulatedScheduler::MakeItem(Slot& slot, int slot_index,
   item.set_num_heads(static_cast<uint32_t>(spec.heads));
   item.set_query_dtype(spec.wire_dtype);
   item.set_queries(PackSlice(pending->queries, spec.wire_dtype));
+  item.set_num_tokens(static_cast<uint32_t>(n));
   item.set_topk(static_cast<uint32_t>(spec.topk));
   if (spec.init_blocks >= 0) item.set_init_blocks(static_cast<uint32_t>(spec.init_blocks));
   if (spec.local_blocks >= 0) item.set_local_blocks(static_cast<uint32_t>(spec.local_blocks));
@@ -146,6 +202,7 @@ v1::SelectBlocksRequest SimulatedScheduler::MakeItem(Slot& slot, int slot_index,
     append->set_all_layers(true);
     append->set_dtype(spec.wire_dtype);
     append->set_keys(PackSlice(pending->keys, spec.wire_dtype));
+    append->set_num_tokens(static_cast<uint32_t>(n));
     if (spec.attention_pages) {
       for (int64_t b = BlocksFor(slot.length); b < BlocksFor(slot.length + n); ++b) {
         pending->new_attn.push_back(
@@ -217,92 +274,160 @@ void SimulatedScheduler::Truncate(Slot& slot, int64_t length) {
   if (slot.host) slot.host->Truncate(length);
 }
 
-void SimulatedScheduler::Decode(Clock::time_point intended, bool measured, bool open_loop) {
+bool SimulatedScheduler::DecodeUnary(DecodeRecord& record) {
   const WorkloadSpec& spec = *ctx_.spec;
+  // The next live (slot, layer); a step in progress (layer > 0) always continues.
+  if (cursor_layer_ == 0 || slots_[cursor_slot_] == nullptr) {
+    cursor_layer_ = 0;
+    for (size_t k = 0; k < slots_.size(); ++k) {
+      const size_t s = (cursor_slot_ + k) % slots_.size();
+      if (slots_[s] != nullptr && !slots_[s]->finished) {
+        cursor_slot_ = s;
+        break;
+      }
+    }
+  }
+  Slot* slot = slots_[cursor_slot_].get();
+  if (slot == nullptr || slot->finished) return false;
+  PendingItem item;
+  const v1::SelectBlocksRequest request =
+      MakeItem(*slot, static_cast<int>(cursor_slot_), cursor_layer_, &item);
+  record.sent = Clock::now();
+  absl::StatusOr<v1::SelectBlocksResponse> r = client_.SelectBlocks(request, ctx_.call);
+  record.done = Clock::now();
+  v1::BatchItemResult result;
+  result.set_code(CodeOf(r.status()));
+  if (r.ok()) *result.mutable_result() = std::move(*r);
+  record.code = Apply(item, result, &record.selections, &record.tokens);
+  record.items = 1;
+  record.item_codes[record.code] = 1;
+  ctx_.recorder->RecordDecode(record);
+  Note(record.code, std::string(r.status().message()));
+  if (record.code != 0 && item.with_append) return true;  // the step's append failed: retry it
+  if (++cursor_layer_ >= spec.layers) {
+    if (slot->appended_this_step) FinishStep(*slot);
+    cursor_layer_ = 0;
+    cursor_slot_ = (cursor_slot_ + 1) % slots_.size();
+  }
+  return true;
+}
+
+std::vector<SimulatedScheduler::PendingItem> SimulatedScheduler::BuildStep(
+    int group, v1::BatchRequest* request) {
+  const WorkloadSpec& spec = *ctx_.spec;
+  request->set_request_id(++request_id_);
+  std::vector<PendingItem> items;
+  for (size_t s = 0; s < slots_.size(); ++s) {
+    if (slots_[s] == nullptr || slots_[s]->finished) continue;
+    if (group >= 0 && static_cast<int>(s) % spec.stream_inflight != group) continue;
+    for (int layer = 0; layer < spec.layers; ++layer) {
+      items.emplace_back();
+      *request->add_items() = MakeItem(*slots_[s], static_cast<int>(s), layer, &items.back());
+    }
+  }
+  return items;
+}
+
+void SimulatedScheduler::CompleteStep(std::vector<PendingItem>& items,
+                                      const v1::BatchResponse& response, DecodeRecord& record) {
+  record.items = static_cast<int64_t>(items.size());
+  std::string message;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const v1::BatchItemResult& result = response.results(static_cast<int>(i));
+    const int code = Apply(items[i], result, &record.selections, &record.tokens);
+    ++record.item_codes[code];
+    if (code != 0 && record.code == 0) {
+      record.code = code;
+      message = result.message();
+    }
+  }
+  ctx_.recorder->RecordDecode(record);
+  Note(record.code, message);
+  for (const PendingItem& item : items) {
+    Slot* slot = slots_[item.slot].get();
+    if (item.with_append && slot != nullptr && slot->appended_this_step) FinishStep(*slot);
+  }
+}
+
+bool SimulatedScheduler::Decode(Clock::time_point intended, bool measured, bool open_loop) {
+  if (pipeline_ != nullptr) return DecodePipelined(intended, measured, open_loop);
   DecodeRecord record;
   record.intended = intended;
   record.measured = measured;
   record.open_loop = open_loop;
-
-  if (spec.style == CallStyle::kUnary) {
-    // The next live (slot, layer); a step in progress (layer > 0) always continues.
-    if (cursor_layer_ == 0 || slots_[cursor_slot_] == nullptr) {
-      cursor_layer_ = 0;
-      for (size_t k = 0; k < slots_.size(); ++k) {
-        const size_t s = (cursor_slot_ + k) % slots_.size();
-        if (slots_[s] != nullptr && !slots_[s]->finished) {
-          cursor_slot_ = s;
-          break;
-        }
-      }
-    }
-    Slot* slot = slots_[cursor_slot_].get();
-    if (slot == nullptr || slot->finished) return;  // Refill() said there was one: not reached
-    PendingItem item;
-    const v1::SelectBlocksRequest request =
-        MakeItem(*slot, static_cast<int>(cursor_slot_), cursor_layer_, &item);
-    record.sent = Clock::now();
-    absl::StatusOr<v1::SelectBlocksResponse> r = client_.SelectBlocks(request, ctx_.call);
-    record.done = Clock::now();
-    v1::BatchItemResult result;
-    result.set_code(CodeOf(r.status()));
-    if (r.ok()) *result.mutable_result() = std::move(*r);
-    record.code = Apply(item, result, &record.selections, &record.tokens);
-    record.items = 1;
-    record.item_codes[record.code] = 1;
-    ctx_.recorder->RecordDecode(record);
-    if (record.code != 0 && item.with_append) return;  // the step's append failed: retry it
-    if (++cursor_layer_ >= spec.layers) {
-      if (slot->appended_this_step) FinishStep(*slot);
-      cursor_layer_ = 0;
-      cursor_slot_ = (cursor_slot_ + 1) % slots_.size();
-    }
-    return;
-  }
+  if (ctx_.spec->style == CallStyle::kUnary) return DecodeUnary(record);
 
   // Batch and stream: the whole step of every live sequence in one request.
   v1::BatchRequest request;
-  request.set_request_id(++request_id_);
-  std::vector<PendingItem> items;
-  for (size_t s = 0; s < slots_.size(); ++s) {
-    if (slots_[s] == nullptr || slots_[s]->finished) continue;
-    for (int layer = 0; layer < spec.layers; ++layer) {
-      items.emplace_back();
-      *request.add_items() = MakeItem(*slots_[s], static_cast<int>(s), layer, &items.back());
-    }
-  }
-  if (items.empty()) return;
+  std::vector<PendingItem> items = BuildStep(-1, &request);
+  if (items.empty()) return false;
   record.sent = Clock::now();
   v1::BatchResponse response;
-  if (spec.style == CallStyle::kStream) {
+  if (ctx_.spec->style == CallStyle::kStream) {
     if (stream_ == nullptr) stream_ = client_.OpenBatchStream();
     response = stream_->Step(request);
   } else {
     response = client_.Batch(request, ctx_.call);
   }
   record.done = Clock::now();
-  record.items = static_cast<int64_t>(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    const int code =
-        Apply(items[i], response.results(static_cast<int>(i)), &record.selections, &record.tokens);
-    ++record.item_codes[code];
-    if (code != 0 && record.code == 0) record.code = code;
+  CompleteStep(items, response, record);
+  return true;
+}
+
+bool SimulatedScheduler::DecodePipelined(Clock::time_point intended, bool measured,
+                                         bool open_loop) {
+  const int groups = ctx_.spec->stream_inflight;
+  const auto has_work = [&](int g) {
+    for (size_t s = static_cast<size_t>(g); s < slots_.size(); s += static_cast<size_t>(groups)) {
+      if (slots_[s] != nullptr && !slots_[s]->finished) return true;
+    }
+    return false;
+  };
+  int group = -1;
+  while (group < 0) {
+    for (int k = 0; k < groups && group < 0; ++k) {
+      const int g = (next_group_ + k) % groups;
+      if (!group_busy_[static_cast<size_t>(g)] && has_work(g)) group = g;
+    }
+    if (group >= 0) break;
+    if (in_flight_.empty()) return false;
+    CompleteOldest();  // every micro-batch with work is in flight: its answer frees one
   }
-  ctx_.recorder->RecordDecode(record);
-  for (const std::unique_ptr<Slot>& slot : slots_) {
-    if (slot != nullptr && slot->appended_this_step) FinishStep(*slot);
-  }
+  InFlight& f = in_flight_.emplace_back();
+  f.group = group;
+  f.record.intended = open_loop ? intended : Clock::now();
+  f.record.measured = measured;
+  f.record.open_loop = open_loop;
+  v1::BatchRequest request;
+  f.items = BuildStep(group, &request);
+  f.record.sent = Clock::now();
+  pipeline_->Send(request);
+  group_busy_[static_cast<size_t>(group)] = true;
+  next_group_ = (group + 1) % groups;
+  return true;
+}
+
+void SimulatedScheduler::CompleteOldest() {
+  PipelinedStream::Answer answer = pipeline_->Next();
+  InFlight f = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  f.record.done = answer.done;
+  group_busy_[static_cast<size_t>(f.group)] = false;
+  CompleteStep(f.items, answer.response, f.record);
 }
 
 void SimulatedScheduler::Drain() {
+  while (!in_flight_.empty()) CompleteOldest();
   for (std::unique_ptr<Slot>& slot : slots_) {
     if (slot != nullptr) Release(*slot);
     slot.reset();
   }
+  // Failures were counted per request already.
   if (stream_ != nullptr) {
-    stream_->Finish().IgnoreError();  // failures were counted per request already
+    stream_->Finish().IgnoreError();
     stream_.reset();
   }
+  if (pipeline_ != nullptr) pipeline_->Finish(ctx_.call.timeout.value_or(absl::Seconds(30))).IgnoreError();
 }
 
 }  // namespace indexer::bench

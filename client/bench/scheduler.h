@@ -3,14 +3,17 @@
 // chunks), decoded step by step (each step appends `speculative` tokens' keys of every layer and
 // selects blocks for them on each selected layer; rejected speculative tokens are rolled back
 // with TruncateSequence) and released after its decode steps, and its slot is refilled with the
-// next sequence from the SequenceSource. With `rewind`, every so many steps a sequence is
-// truncated back to its prefill length, so that it decodes at a steady length however long the
-// run.
+// next sequence from the SequenceSource (the stage's first sequences start part-way through their
+// steps, so that refills come one at a time; a trace's sequences join when they arrive). With
+// `rewind`, every so many steps a sequence is truncated back to its prefill length, so that it
+// decodes at a steady length however long the run.
 //
 // A decode request is one RPC: in the unary style one SelectBlocks for one (sequence, layer) of a
 // step (the layer-0 call carries the append), in the batch style one Batch call holding the
 // whole step of every live sequence, in the stream style the same batch as one BatchStream
-// message. The load generator (runner.h) decides when requests start.
+// message; with --stream_inflight=N the sequences form N micro-batches, each one request, and up
+// to N are in flight on the stream (PipelinedStream). The load generator (runner.h) decides when
+// requests start.
 //
 // With checking on, it keeps a host copy of every key it appended (HostKeys) and checks every
 // answer against the CPU reference (checker.h).
@@ -20,6 +23,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -27,26 +31,43 @@
 #include <vector>
 
 #include "client/bench/checker.h"
+#include "client/bench/pipelined_stream.h"
 #include "client/bench/recorder.h"
 #include "client/bench/workload.h"
 #include "client/cpp/sharded_client.h"
 
 namespace indexer::bench {
 
-// Hands out the sequences of a stage in index order; at most `max_sequences` (0: no limit).
+// Hands out the sequences of a stage in index order; at most `max_sequences` (0: no limit), and
+// with a trace at most the trace's, each once it has arrived.
 class SequenceSource {
  public:
   SequenceSource(const WorkloadSpec& spec, int64_t max_sequences);
-  std::optional<SequencePlan> Next();
+
+  // The stage's load begins: trace arrivals count from `start`, and the sequences handed out
+  // before (the stage's first ones) were staggered. Call once.
+  void Begin(Clock::time_point start);
+
+  struct Offer {
+    std::optional<SequencePlan> plan;
+    // No plan: true when no sequence will come any more; else the next one has not arrived yet,
+    // and next_arrival says when (unknown before Begin).
+    bool done = false;
+    std::optional<Clock::time_point> next_arrival;
+    int64_t admission_wait_ns = -1;  // a trace's sequence: arrival to now, once the load began
+  };
+  Offer Next();
   // No more sequences after this (the stage is ending).
   void Close();
 
  private:
   const WorkloadSpec& spec_;
-  const int64_t max_;
+  int64_t max_;
   std::mutex mu_;
   int64_t next_ = 0;
   bool closed_ = false;
+  bool begun_ = false;
+  Clock::time_point start_;
 };
 
 // What every worker of a stage shares (read-only, or thread-safe).
@@ -69,17 +90,31 @@ class SimulatedScheduler {
   SimulatedScheduler(const SimulatedScheduler&) = delete;
   SimulatedScheduler& operator=(const SimulatedScheduler&) = delete;
 
+  struct RefillState {
+    int live = 0;              // sequences with decode steps left
+    bool source_done = false;  // and no sequence will come any more
+    std::optional<Clock::time_point> next_arrival;  // a trace's next sequence, not arrived yet
+  };
   // Releases sequences that finished their decode steps and starts (prefills) new ones in free
-  // slots while the source has any. False when no sequence is left to decode.
-  bool Refill();
-  // Sends one decode request; latency counts from `intended`. `measured`: outside the warm-up.
-  void Decode(Clock::time_point intended, bool measured, bool open_loop);
-  // Releases every live sequence and ends the stream, if any.
+  // slots while the source offers any.
+  RefillState Refill();
+  // Sends one decode request; latency counts from `intended` (closed loop with several requests
+  // in flight: from when the request could go). `measured`: outside the warm-up. With
+  // --stream_inflight above 1 it returns once the request is written, first taking the oldest
+  // answer back when every micro-batch is in flight. False when there was nothing to send.
+  bool Decode(Clock::time_point intended, bool measured, bool open_loop);
+  // Takes back every answer in flight, releases every live sequence and ends the stream.
   void Drain();
+
+  // The status code of the latest answered call (decode request or prefill), -1 before any, and
+  // its message: the workers' view of whether the servers can be reached.
+  int last_code() const { return last_code_; }
+  const std::string& last_message() const { return last_message_; }
 
  private:
   struct Slot;
   struct PendingItem;
+  struct InFlight;
 
   std::unique_ptr<Slot> StartSequence(const SequencePlan& plan);
   void Release(Slot& slot);
@@ -93,15 +128,31 @@ class SimulatedScheduler {
   void FinishStep(Slot& slot);
   // TruncateSequence to `length` tokens, recorded; on success the slot follows.
   void Truncate(Slot& slot, int64_t length);
+  void Note(int code, const std::string& message);
+
+  bool DecodeUnary(DecodeRecord& record);
+  // The step of every live slot of micro-batch `group` (-1: every live slot) as one request.
+  std::vector<PendingItem> BuildStep(int group, v1::BatchRequest* request);
+  // Applies a step's answer, records the request and finishes its sequences' steps.
+  void CompleteStep(std::vector<PendingItem>& items, const v1::BatchResponse& response,
+                    DecodeRecord& record);
+  bool DecodePipelined(Clock::time_point intended, bool measured, bool open_loop);
+  void CompleteOldest();
 
   const SchedulerContext& ctx_;
   client::ShardedClient& client_;
   std::mt19937_64 rng_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::unique_ptr<client::ShardedBatchStream> stream_;
+  std::unique_ptr<PipelinedStream> pipeline_;  // --stream_inflight above 1
+  std::vector<bool> group_busy_;               // per micro-batch: a request in flight
+  std::deque<InFlight> in_flight_;             // oldest first
+  int next_group_ = 0;
   size_t cursor_slot_ = 0;  // unary: the next (slot, layer)
   int cursor_layer_ = 0;
   uint64_t request_id_ = 0;
+  int last_code_ = -1;
+  std::string last_message_;
 };
 
 }  // namespace indexer::bench

@@ -24,6 +24,37 @@ HistogramTotals Minus(const HistogramTotals& a, const HistogramTotals& b) {
   return HistogramTotals{a.count - b.count, a.sum - b.sum};
 }
 
+// A family's histograms summed by the value of `label` (metrics without it under "").
+void AddByLabel(const v1::MetricFamily& f, const std::string& label, const std::string& skip,
+                std::map<std::string, HistogramTotals>* out) {
+  for (const v1::Metric& m : f.metrics()) {
+    const auto it = m.labels().find(label);
+    const std::string value = it == m.labels().end() ? "" : it->second;
+    if (!skip.empty() && value == skip) continue;
+    HistogramTotals& t = (*out)[value];
+    t.count += static_cast<int64_t>(m.count());
+    t.sum += m.sum();
+  }
+}
+
+void PlusEach(const std::map<std::string, HistogramTotals>& b,
+              std::map<std::string, HistogramTotals>* a) {
+  for (const auto& [key, t] : b) (*a)[key] = Plus((*a)[key], t);
+}
+
+// later - earlier per key, keeping only keys observed in the window.
+std::map<std::string, HistogramTotals> MinusEach(
+    const std::map<std::string, HistogramTotals>& later,
+    const std::map<std::string, HistogramTotals>& earlier) {
+  std::map<std::string, HistogramTotals> out;
+  for (const auto& [key, t] : later) {
+    const auto before = earlier.find(key);
+    const HistogramTotals d = before == earlier.end() ? t : Minus(t, before->second);
+    if (d.count != 0) out[key] = d;
+  }
+  return out;
+}
+
 }  // namespace
 
 ServerCounters CountersFromStats(const v1::GetStatsResponse& stats) {
@@ -43,14 +74,10 @@ ServerCounters CountersFromStats(const v1::GetStatsResponse& stats) {
     } else if (f.name() == "indexer_batch_queue_seconds") {
       c.batch_queue_seconds = Totals(f);
     } else if (f.name() == "indexer_request_seconds") {
-      for (const v1::Metric& m : f.metrics()) {
-        const auto label = m.labels().find("rpc");
-        const std::string rpc = label == m.labels().end() ? "" : label->second;
-        if (rpc == "GetStats") continue;  // indexer-bench's own reads
-        HistogramTotals& t = c.request_seconds[rpc];
-        t.count += static_cast<int64_t>(m.count());
-        t.sum += m.sum();
-      }
+      AddByLabel(f, "rpc", "GetStats", &c.request_seconds);  // not indexer-bench's own reads
+    } else if (f.name() == "indexer_step_phase_seconds") {
+      c.has_phases = true;
+      AddByLabel(f, "phase", "", &c.phases);
     }
   }
   return c;
@@ -65,7 +92,9 @@ ServerCounters Sum(const ServerCounters& a, const ServerCounters& b) {
   c.batch_items = Plus(a.batch_items, b.batch_items);
   c.batch_calls = Plus(a.batch_calls, b.batch_calls);
   c.batch_queue_seconds = Plus(a.batch_queue_seconds, b.batch_queue_seconds);
-  for (const auto& [rpc, t] : b.request_seconds) c.request_seconds[rpc] = Plus(c.request_seconds[rpc], t);
+  PlusEach(b.request_seconds, &c.request_seconds);
+  c.has_phases = a.has_phases || b.has_phases;
+  PlusEach(b.phases, &c.phases);
   return c;
 }
 
@@ -77,14 +106,8 @@ ServerCounters Difference(const ServerCounters& later, const ServerCounters& ear
   c.batch_items = Minus(later.batch_items, earlier.batch_items);
   c.batch_calls = Minus(later.batch_calls, earlier.batch_calls);
   c.batch_queue_seconds = Minus(later.batch_queue_seconds, earlier.batch_queue_seconds);
-  for (auto& [rpc, t] : c.request_seconds) {
-    const auto before = earlier.request_seconds.find(rpc);
-    if (before != earlier.request_seconds.end()) t = Minus(t, before->second);
-  }
-  // RPCs not called in the window.
-  for (auto it = c.request_seconds.begin(); it != c.request_seconds.end();) {
-    it = it->second.count == 0 ? c.request_seconds.erase(it) : std::next(it);
-  }
+  c.request_seconds = MinusEach(later.request_seconds, earlier.request_seconds);
+  c.phases = MinusEach(later.phases, earlier.phases);
   return c;
 }
 

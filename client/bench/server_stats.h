@@ -2,8 +2,9 @@
 // GetStats (the registry its Prometheus endpoint serves) when the warm-up ends and when the stage
 // ends, and reports the differences: backend selections (the kernels with their copies on a GPU,
 // the reference on the CPU) and their time, spans per selection (the batch the kernels see), time
-// calls waited for a handler thread, Batch sizes, and the server-side latency of each RPC. Next
-// to the client's latency this splits a decode step into kernel time and everything else.
+// calls waited for a handler thread, Batch sizes, the server-side latency of each RPC and, from
+// servers that export it, the time of each phase of a step. Next to the client's latency this
+// splits a decode step into kernel time and everything else.
 //
 // Pure values and functions except ReadServerCounters (RPCs); any thread may call them. The
 // values are light (recorder.h holds one per stage); the .cc holds the protobuf and gRPC side.
@@ -43,6 +44,11 @@ struct ServerCounters {
   HistogramTotals batch_queue_seconds;  // indexer_batch_queue_seconds (--batching)
   // indexer_request_seconds by rpc, without GetStats (the reads of these figures).
   std::map<std::string, HistogramTotals> request_seconds;
+  // indexer_step_phase_seconds by phase: where the server's time per step goes (parse,
+  // validate, lock, apply, stage, queue, device, finish, respond, ...; the set is the server's,
+  // read as it comes). has_phases: the servers export the family at all.
+  bool has_phases = false;
+  std::map<std::string, HistogramTotals> phases;
 };
 
 // The figures of one GetStats answer (families it lacks stay zero).

@@ -277,6 +277,17 @@ absl::Status Validate(WorkloadSpec* spec, const ServerShape& shape) {
   }
   if (spec->prefill_chunk < 1) return absl::InvalidArgumentError("--prefill_chunk must be >= 1");
   if (spec->batch < 1) return absl::InvalidArgumentError("--batch must be >= 1");
+  if (spec->stream_inflight < 1) {
+    return absl::InvalidArgumentError("--stream_inflight must be >= 1");
+  }
+  if (spec->stream_inflight > 1 && spec->style != CallStyle::kStream) {
+    return absl::InvalidArgumentError("--stream_inflight above 1 needs --style=stream");
+  }
+  if (spec->stream_inflight > spec->batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--stream_inflight is ", spec->stream_inflight, ": each request in flight "
+                     "needs sequences of its own, and --batch is ", spec->batch));
+  }
   if (spec->decode_steps.Min() < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--decode_steps (", spec->decode_steps.ToString(), ") must be >= 1"));
@@ -293,9 +304,14 @@ absl::Status Validate(WorkloadSpec* spec, const ServerShape& shape) {
 }
 
 int64_t LongestSequence(const WorkloadSpec& spec) {
-  int64_t steps = spec.decode_steps.Max();
-  if (spec.rewind > 0) steps = std::min<int64_t>(steps, spec.rewind);
-  return spec.prefill.Max() + steps * spec.speculative;
+  const auto longest = [&](int64_t prefill, int64_t steps) {
+    if (spec.rewind > 0) steps = std::min<int64_t>(steps, spec.rewind);
+    return prefill + steps * spec.speculative;
+  };
+  if (spec.trace == nullptr) return longest(spec.prefill.Max(), spec.decode_steps.Max());
+  int64_t most = 0;
+  for (const TraceEntry& e : *spec.trace) most = std::max(most, longest(e.prefill, e.decode_steps));
+  return most;
 }
 
 kernels::SelectParams EffectiveParams(const WorkloadSpec& spec, const ServerShape& shape) {
@@ -306,14 +322,56 @@ kernels::SelectParams EffectiveParams(const WorkloadSpec& spec, const ServerShap
   return p;
 }
 
-SequencePlan PlanSequence(const WorkloadSpec& spec, int64_t index) {
+SequencePlan PlanSequence(const WorkloadSpec& spec, int64_t index, bool staggered) {
   SequencePlan plan;
   plan.index = index;
   plan.id = absl::StrCat(spec.id_prefix, index);
+  if (spec.trace != nullptr && !spec.trace->empty()) {
+    const TraceEntry& e = (*spec.trace)[static_cast<size_t>(index) % spec.trace->size()];
+    plan.prefill_tokens = e.prefill;
+    plan.decode_steps = static_cast<int>(std::clamp<int64_t>(e.decode_steps, 1, INT32_MAX));
+    plan.arrival_s = e.at_s;
+    return plan;
+  }
   plan.prefill_tokens = spec.prefill.ForSequence(spec.seed, index);
-  plan.decode_steps = static_cast<int>(std::max<int64_t>(
-      1, spec.decode_steps.ForSequence(spec.seed ^ 0x9e3779b97f4a7c15ull, index)));
+  plan.decode_steps = static_cast<int>(std::clamp<int64_t>(
+      spec.decode_steps.ForSequence(spec.seed ^ 0x9e3779b97f4a7c15ull, index), 1, INT32_MAX));
+  if (staggered && spec.stagger) {
+    std::mt19937_64 rng = SequenceRng(spec.seed, index, 0x57a6);
+    plan.start_step = std::uniform_int_distribution<int>(0, plan.decode_steps - 1)(rng);
+  }
   return plan;
+}
+
+absl::StatusOr<std::vector<TraceEntry>> ReadTrace(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read '", path, "'"));
+  std::vector<TraceEntry> trace;
+  std::string line;
+  for (int line_no = 1; std::getline(in, line); ++line_no) {
+    absl::string_view l = line;
+    if (const size_t hash = l.find('#'); hash != absl::string_view::npos) l = l.substr(0, hash);
+    const std::vector<absl::string_view> fields =
+        absl::StrSplit(l, absl::ByAnyChar(" \t,"), absl::SkipWhitespace());
+    if (fields.empty()) continue;
+    const std::string where = absl::StrCat(path, ":", line_no);
+    TraceEntry e;
+    if (fields.size() != 3 || !absl::SimpleAtod(fields[0], &e.at_s) || !(e.at_s >= 0) ||
+        !std::isfinite(e.at_s) || !absl::SimpleAtoi(fields[1], &e.prefill) || e.prefill < 0 ||
+        !absl::SimpleAtoi(fields[2], &e.decode_steps) || e.decode_steps < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": '", absl::StripAsciiWhitespace(l),
+          "' is not ARRIVAL_S PREFILL_TOKENS DECODE_STEPS (seconds >= 0, tokens >= 0, steps >= 1)"));
+    }
+    if (!trace.empty() && e.at_s < trace.back().at_s) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": arrival ", e.at_s, " s is before the previous line's ",
+                       trace.back().at_s, " s (arrivals must not decrease)"));
+    }
+    trace.push_back(e);
+  }
+  if (trace.empty()) return absl::InvalidArgumentError(absl::StrCat("'", path, "' holds no sequence"));
+  return trace;
 }
 
 ValuePool::ValuePool(ValueKind kind, size_t size, uint64_t seed) : values_(size), bits_(size) {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <span>
 #include <string>
@@ -56,6 +57,20 @@ class LengthDistribution {
   std::vector<int64_t> values_;  // file
 };
 
+// A request trace: one sequence a line, when it arrives (seconds after the stage's load begins)
+// and how long it is (prefill tokens, decode steps), so that a run replays the arrivals and the
+// lengths a real deployment saw (as ghz's -D data file and perf_analyzer's --request-intervals
+// replay theirs).
+struct TraceEntry {
+  double at_s = 0;
+  int64_t prefill = 0;
+  int64_t decode_steps = 1;
+};
+// Reads a trace file: lines "AT_S PREFILL DECODE_STEPS" (spaces, tabs or commas between; '#'
+// comments and blank lines skipped), arrival times non-decreasing, decode steps >= 1.
+// INVALID_ARGUMENT naming the file and line otherwise, or for an empty file.
+absl::StatusOr<std::vector<TraceEntry>> ReadTrace(const std::string& path);
+
 enum class CallStyle { kUnary, kBatch, kStream };
 absl::StatusOr<CallStyle> ParseCallStyle(absl::string_view text);
 const char* CallStyleName(CallStyle s);
@@ -83,7 +98,16 @@ struct WorkloadSpec {
   bool attention_pages = false;
   ValueKind values = ValueKind::kNormal;
   CallStyle style = CallStyle::kBatch;
+  // kStream: requests a worker keeps in flight on its stream, each for its own micro-batch of
+  // sequences (slot i belongs to micro-batch i % stream_inflight).
+  int stream_inflight = 1;
   int batch = 8;  // live sequences per worker (one scheduler's decode batch)
+  // The stage's first sequences start part-way through their decode steps (uniformly), so that
+  // they finish, and are replaced by fresh prefills, one at a time instead of all at once.
+  bool stagger = true;
+  // When set, sequence i arrives and has the lengths of entry i (the distributions above are not
+  // used for them, and there is no stagger).
+  std::shared_ptr<const std::vector<TraceEntry>> trace;
   uint64_t seed = 1;
   std::string id_prefix = "bench-";  // sequence ids are id_prefix + index
 };
@@ -115,8 +139,13 @@ struct SequencePlan {
   std::string id;
   int64_t prefill_tokens = 0;
   int decode_steps = 1;
+  // Steps taken as done before its first request (a staggered first sequence), in
+  // [0, decode_steps).
+  int start_step = 0;
+  double arrival_s = 0;  // a trace's arrival time
 };
-SequencePlan PlanSequence(const WorkloadSpec& spec, int64_t index);
+// Sequence `index`'s plan; `staggered`: one of the stage's first sequences (spec.stagger applies).
+SequencePlan PlanSequence(const WorkloadSpec& spec, int64_t index, bool staggered = false);
 
 // Random values that keys and queries are cut from: every value is exactly representable in
 // bf16 (so bf16 and fp32 wire formats carry the same numbers), kept both as floats and as bf16

@@ -410,6 +410,8 @@ bool BatchStream::Write(const v1::BatchRequest& request) {
 
 bool BatchStream::Read(v1::BatchResponse* response) { return stream_->Read(response); }
 
+void BatchStream::Cancel() { context_.TryCancel(); }
+
 bool BatchStream::WritesDone() {
   if (writes_done_) return true;
   writes_done_ = true;

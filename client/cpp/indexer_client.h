@@ -266,7 +266,7 @@ class IndexerClient {
 // Made by IndexerClient::OpenBatchStream; must not outlive the client's channel.
 //
 // Threads: at most one thread in Write/WritesDone and one in Read at a time; Step and Finish
-// must not run concurrently with anything else on the stream.
+// must not run concurrently with anything else on the stream; Cancel may run at any time.
 class BatchStream {
  public:
   ~BatchStream();  // cancels the call if Finish() was not called
@@ -285,6 +285,9 @@ class BatchStream {
   // Half-closes (if not yet done), drains unread responses and returns the call's status.
   // Call once.
   absl::Status Finish();
+  // Cancels the call; safe from any thread, at any time. A Read or Write blocked on the stream
+  // then returns false, and Finish() returns CANCELLED.
+  void Cancel();
 
  private:
   friend class IndexerClient;

@@ -43,17 +43,23 @@ struct BenchRun {
   std::string err;
 };
 
-// Runs indexer-bench with `args`; stdout and stderr are kept apart.
-BenchRun RunBench(const std::vector<std::string>& args,
-                  absl::Duration timeout = absl::Seconds(60)) {
+// An indexer-bench process started with `args`, stdout and stderr in files of their own.
+struct Running {
+  pid_t pid = -1;
+  std::string out_path, err_path;
+};
+
+Running StartBench(const std::vector<std::string>& args, const std::string& tag = "") {
+  Running run;
   const char* binary = std::getenv("INDEXER_BENCH_BINARY");
-  BenchRun r;
   if (binary == nullptr) {
     ADD_FAILURE() << "INDEXER_BENCH_BINARY is not set (ctest sets it)";
-    return r;
+    return run;
   }
-  const std::string base = ::testing::TempDir() + "/bench-run-" + std::to_string(getpid());
-  const std::string out = base + ".out", err = base + ".err";
+  const std::string base =
+      ::testing::TempDir() + "/bench-run-" + std::to_string(getpid()) + tag;
+  run.out_path = base + ".out";
+  run.err_path = base + ".err";
   std::vector<std::string> argv = {binary};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> ptrs;
@@ -61,32 +67,47 @@ BenchRun RunBench(const std::vector<std::string>& args,
   ptrs.push_back(nullptr);
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  pid_t pid = -1;
-  const int spawned = posix_spawn(&pid, binary, &actions, nullptr, ptrs.data(), environ);
+  posix_spawn_file_actions_addopen(&actions, 1, run.out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_addopen(&actions, 2, run.err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  const int spawned = posix_spawn(&run.pid, binary, &actions, nullptr, ptrs.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
   if (spawned != 0) {
     ADD_FAILURE() << "cannot start " << binary;
-    return r;
+    run.pid = -1;
   }
+  return run;
+}
+
+// Waits for the process (killing it past `timeout`) and collects its exit code and output.
+BenchRun WaitBench(Running& run, absl::Duration timeout = absl::Seconds(60)) {
+  BenchRun r;
+  if (run.pid <= 0) return r;
   const absl::Time deadline = absl::Now() + timeout;
   int status = 0;
-  while (waitpid(pid, &status, WNOHANG) == 0) {
+  while (waitpid(run.pid, &status, WNOHANG) == 0) {
     if (absl::Now() > deadline) {
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-      ADD_FAILURE() << "indexer-bench ran past " << timeout << ": " << absl::StrJoin(args, " ");
+      kill(run.pid, SIGKILL);
+      waitpid(run.pid, &status, 0);
+      ADD_FAILURE() << "indexer-bench ran past " << timeout;
       break;
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-  r.out = ReadFile(out);
-  r.err = ReadFile(err);
-  unlink(out.c_str());
-  unlink(err.c_str());
+  r.out = ReadFile(run.out_path);
+  r.err = ReadFile(run.err_path);
+  unlink(run.out_path.c_str());
+  unlink(run.err_path.c_str());
   return r;
+}
+
+// Runs indexer-bench with `args`; stdout and stderr are kept apart.
+BenchRun RunBench(const std::vector<std::string>& args,
+                  absl::Duration timeout = absl::Seconds(60)) {
+  Running run = StartBench(args);
+  return WaitBench(run, timeout);
 }
 
 Struct ParseJson(const std::string& text) {
@@ -195,6 +216,8 @@ TEST_F(BenchBinaryTest, HelpDocumentsEveryFlag) {
     EXPECT_THAT(r.out, HasSubstr("--" + name + " (default: ")) << "--help does not list --" << name;
   }
   EXPECT_GT(flags, 30);
+  EXPECT_THAT(r.out, HasSubstr("unix:/path/to/socket"));
+  EXPECT_THAT(r.out, HasSubstr("2 a flag that could not be parsed"));
   EXPECT_EQ(RunBench({"--version"}).code, 0);
 }
 
@@ -335,6 +358,232 @@ TEST_F(BenchBinaryTest, UsageAndConnectionErrors) {
   const BenchRun down = RunBench({"--servers=127.0.0.1:1", "--wait=300ms", "--duration=1s"});
   EXPECT_EQ(down.code, 1);
   EXPECT_THAT(down.err, HasSubstr("not serving"));
+}
+
+// A server of its own (the tests that stop theirs, or listen elsewhere).
+std::unique_ptr<server::IndexerServer> StartServer(const std::string& listen) {
+  server::ServerOptions o;
+  o.listen = listen;
+  o.device = "cpu";
+  o.handler_threads = 4;
+  o.drain_seconds = 0;
+  o.engine.head_dim = 64;
+  o.engine.layers = 2;
+  o.engine.capacity_pages = 1024;
+  o.engine.cpu_threads = 1;
+  o.engine.defaults = kernels::SelectParams{8, 1, 1};
+  absl::StatusOr<std::unique_ptr<server::IndexerServer>> s = server::IndexerServer::Start(o);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+std::string WriteTemp(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + "/" + name;
+  FILE* f = std::fopen(path.c_str(), "w");
+  EXPECT_NE(f, nullptr) << path;
+  if (f != nullptr) {
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+  }
+  return path;
+}
+
+// --json=- puts the report alone on stdout (the summary goes to stderr), for pipes into jq.
+TEST_F(BenchBinaryTest, JsonAloneOnStdout) {
+  BenchRun r = RunBench(Small({"--duration=500ms", "--warmup=100ms", "--json=-"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Struct report = ParseJson(r.out);
+  CheckedStage(report, 0);
+  EXPECT_EQ(r.out.find("decode requests"), std::string::npos);
+  EXPECT_THAT(r.err, HasSubstr("decode requests"));  // the summary, on stderr
+  r = RunBench(Small({"--duration=500ms", "--csv=-", "--summary=brief"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("stage,label,mode", 0), 0u) << r.out;
+  EXPECT_THAT(r.err, HasSubstr("req/s"));
+  r = RunBench(Small({"--json=-", "--csv=-"}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("cannot both write to stdout"));
+  ExpectAllReleased();
+}
+
+// Ctrl-C: the run stops, the reports hold what was measured and say so, and the exit status is
+// 130 (128 + SIGINT), not success.
+TEST_F(BenchBinaryTest, InterruptWritesTheReportsAndFails) {
+  const std::string json = ::testing::TempDir() + "/interrupted.json";
+  Running run = StartBench(
+      Small({"--duration=60s", "--warmup=200ms", "--json=" + json, "--summary=brief"}), "-int");
+  ASSERT_GT(run.pid, 0);  // never kill(-1, ...)
+  absl::SleepFor(absl::Milliseconds(1500));
+  ASSERT_EQ(kill(run.pid, SIGINT), 0);
+  const BenchRun r = WaitBench(run, absl::Seconds(30));
+  EXPECT_EQ(r.code, 130) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("interrupted by SIGINT"));
+  EXPECT_THAT(r.err, HasSubstr("interrupted"));
+  const Struct report = ParseJson(ReadFile(json));
+  EXPECT_THAT(F(S(report, "sweep"), "stop_reason").string_value(), HasSubstr("interrupted"));
+  CheckedStage(report, 0);
+  ExpectAllReleased();
+}
+
+// A server that goes away mid-run: the workers back off instead of spinning (a down server fails
+// every call at once), and after --unreachable_timeout the run ends, saying why, with exit 1.
+TEST_F(BenchBinaryTest, UnreachableServerBacksOffAndEnds) {
+  std::unique_ptr<server::IndexerServer> doomed = StartServer("127.0.0.1:0");
+  ASSERT_NE(doomed, nullptr);
+  const std::string json = ::testing::TempDir() + "/unreachable.json";
+  Running run = StartBench({"--servers=127.0.0.1:" + std::to_string(doomed->port()),
+                            "--prefill=200", "--decode_steps=fixed:5", "--heads=2",
+                            "--topk=4", "--batch=2", "--concurrency=3", "--duration=60s",
+                            "--warmup=200ms", "--unreachable_timeout=1500ms", "--progress=off",
+                            "--wait=5s", "--json=" + json},
+                           "-down");
+  // Down once the load is under way: sequences live, and the warm-up well past.
+  const absl::Time limit = absl::Now() + absl::Seconds(20);
+  while (doomed->engine().Stats().live_sequences == 0 && absl::Now() < limit) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  absl::SleepFor(absl::Milliseconds(1000));
+  const absl::Time down_at = absl::Now();
+  doomed->Shutdown(absl::ZeroDuration());
+  const BenchRun r = WaitBench(run, absl::Seconds(40));
+  const absl::Duration after = absl::Now() - down_at;
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("could not be reached"));
+  EXPECT_LT(after, absl::Seconds(15));  // ended by the outage, not by --duration
+  const Struct report = ParseJson(ReadFile(json));
+  const Struct& stage = F(report, "stages").list_value().values(0).struct_value();
+  EXPECT_THAT(F(stage, "stop_reason").string_value(), HasSubstr("could not be reached for"));
+  EXPECT_THAT(F(S(report, "sweep"), "stop_reason").string_value(),
+              HasSubstr("could not be reached"));
+  // Three workers backing off from 10 ms to 1 s over 1.5 s fail a few dozen calls, not tens of
+  // thousands.
+  EXPECT_LT(N(S(stage, "requests"), "errors"), 150);
+  EXPECT_GT(N(S(stage, "requests"), "ok"), 0);
+  // Among the first errors (calls the shutdown cancelled may come first): UNAVAILABLE.
+  std::string errors;
+  for (const Value& e : F(stage, "first_errors").list_value().values()) {
+    errors += e.string_value() + "\n";
+  }
+  EXPECT_THAT(errors, HasSubstr("UNAVAILABLE"));
+}
+
+TEST_F(BenchBinaryTest, SweepSaysWhyItStopped) {
+  const std::string json = ::testing::TempDir() + "/stopped.json";
+  const BenchRun r =
+      RunBench(Small({"--sweep=concurrency:1,2,4", "--sweep_max_latency=1us", "--duration=400ms",
+                      "--warmup=100ms", "--json=" + json}));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("sweep stopped: stage 1 (concurrency 1): p99 "));
+  const Struct report = ParseJson(ReadFile(json));
+  EXPECT_EQ(F(report, "stages").list_value().values_size(), 1);
+  EXPECT_THAT(F(S(report, "sweep"), "stop_reason").string_value(), HasSubstr("> 0.001 ms"));
+  ExpectAllReleased();
+}
+
+// A trace: sequences arrive at its times with its lengths, wait for a free slot, and the stage
+// ends when the trace is done; every answer exact.
+TEST_F(BenchBinaryTest, ReplaysATrace) {
+  const std::string trace = WriteTemp("trace.txt",
+                                      "# at prefill steps\n"
+                                      "0 300 6\n0 100 3\n0.1 500 4\n0.2 256 8\n0.3 0 2\n"
+                                      "0.45 700 5\n");
+  const std::string json = ::testing::TempDir() + "/trace.json";
+  const BenchRun r = RunBench(Small({"--trace=" + trace, "--batch=2", "--duration=0",
+                                     "--warmup=0", "--json=" + json}));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const Struct report = ParseJson(ReadFile(json));
+  const Struct st = CheckedStage(report, 0);
+  EXPECT_EQ(N(S(st, "sequences"), "started"), 6);
+  const Struct& prefill = S(S(st, "operations"), "prefill");
+  EXPECT_EQ(N(prefill, "tokens"), 300 + 100 + 500 + 256 + 0 + 700);
+  // The four that arrived after the load began waited for a slot (or not at all).
+  EXPECT_EQ(N(S(st, "admission_wait_ms"), "count"), 4);
+  EXPECT_GE(N(st, "wall_s"), 0.45);
+  // 28 steps in all, one request per step of each live batch: at least 28 / 2 requests.
+  EXPECT_GE(N(S(st, "requests"), "ok"), 14);
+  EXPECT_THAT(F(S(report, "workload"), "trace").string_value(), HasSubstr("6 sequences"));
+  EXPECT_EQ(RunBench(Small({"--trace=/no/such/trace"})).code, 2);
+  ExpectAllReleased();
+}
+
+// Request intervals from a file (perf_analyzer's --request-intervals): open loop at their rate.
+TEST_F(BenchBinaryTest, ReplaysRequestIntervals) {
+  std::string gaps;
+  for (int i = 0; i < 50; ++i) gaps += i % 2 == 0 ? "5000\n" : "15000\n";  // mean 10 ms: 100/s
+  const std::string path = WriteTemp("intervals.txt", gaps);
+  const std::string json = ::testing::TempDir() + "/intervals.json";
+  const BenchRun r = RunBench(Small({"--arrivals=file:" + path, "--duration=1500ms",
+                                     "--warmup=200ms", "--concurrency=3", "--style=unary",
+                                     "--layers=1", "--json=" + json}));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const Struct st = CheckedStage(ParseJson(ReadFile(json)), 0);
+  EXPECT_EQ(F(st, "mode").string_value(), "open");
+  EXPECT_EQ(F(st, "label").string_value(), "replayed intervals (100/s)");
+  EXPECT_NEAR(N(st, "throughput_rps"), 100, 30);
+  EXPECT_GT(N(S(st, "send_lag_ms"), "count"), 0);
+  EXPECT_EQ(RunBench(Small({"--arrivals=file:" + path, "--rate=10"})).code, 2);
+  ExpectAllReleased();
+}
+
+// Several requests in flight per stream, one micro-batch each, over two servers: every answer
+// matched to its request and exact.
+TEST_F(BenchBinaryTest, PipelinedStreamsAnswerInOrder) {
+  const std::string json = ::testing::TempDir() + "/pipelined.json";
+  BenchRun r = RunBench(Small({"--style=stream", "--stream_inflight=3", "--batch=6",
+                               "--concurrency=2", "--duration=1s", "--warmup=200ms",
+                               "--json=" + json}));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("3 requests in flight per stream"));
+  const Struct st = CheckedStage(ParseJson(ReadFile(json)), 0);
+  EXPECT_GT(N(S(st, "requests"), "ok"), 20);
+  EXPECT_EQ(RunBench(Small({"--style=batch", "--stream_inflight=2"})).code, 2);
+  EXPECT_EQ(RunBench(Small({"--style=stream", "--stream_inflight=4", "--batch=3"})).code, 2);
+  ExpectAllReleased();
+}
+
+// The stability check: a threshold nothing meets extends the stage window by window up to
+// --max_duration and then warns; identical sweep stages that differ are warned about.
+TEST_F(BenchBinaryTest, StabilityCheckExtendsAndWarns) {
+  const std::string json = ::testing::TempDir() + "/stability.json";
+  BenchRun r = RunBench(Small({"--stability=0.0001", "--duration=600ms", "--max_duration=1200ms",
+                               "--warmup=100ms", "--interval=100ms", "--json=" + json}));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("warning: the stage (concurrency 1) did not settle"));
+  const Struct st = CheckedStage(ParseJson(ReadFile(json)), 0);
+  const Struct& v = S(st, "stability");
+  EXPECT_TRUE(F(v, "checked").bool_value());
+  EXPECT_FALSE(F(v, "stable").bool_value());
+  EXPECT_EQ(N(v, "extensions"), 3);  // 600 ms + 3 windows of 200 ms = 1200 ms
+  EXPECT_NEAR(N(st, "measured_s"), 1.2, 0.25);
+  EXPECT_EQ(F(v, "windows").list_value().values_size(), 3);
+
+  r = RunBench(Small({"--sweep=concurrency:1,1", "--stability=0.0001", "--duration=400ms",
+                      "--warmup=100ms"}));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("stages 1, 2 (concurrency 1) ran the same load but differ"));
+  EXPECT_EQ(RunBench(Small({"--stability_windows=1"})).code, 2);
+  EXPECT_EQ(RunBench(Small({"--duration=2s", "--max_duration=1s"})).code, 2);
+  ExpectAllReleased();
+}
+
+// A server on a Unix domain socket: --servers=unix:PATH, nothing parses host:port.
+TEST_F(BenchBinaryTest, UnixSocketTarget) {
+  const std::string socket = "/tmp/indexer-bench-test-" + std::to_string(getpid()) + ".sock";
+  unlink(socket.c_str());
+  std::unique_ptr<server::IndexerServer> local = StartServer("unix:" + socket);
+  ASSERT_NE(local, nullptr);
+  const std::string json = ::testing::TempDir() + "/unix.json";
+  std::vector<std::string> args = Small({"--duration=600ms", "--warmup=100ms", "--style=stream",
+                                         "--json=" + json});
+  args[0] = "--servers=unix:" + socket;
+  const BenchRun r = RunBench(args);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const Struct report = ParseJson(ReadFile(json));
+  CheckedStage(report, 0);
+  EXPECT_EQ(F(F(report, "servers").list_value().values(0).struct_value(), "target").string_value(),
+            "unix:" + socket);
+  local->Shutdown(absl::Seconds(1));
+  unlink(socket.c_str());
 }
 
 }  // namespace

@@ -1,8 +1,11 @@
 // indexer-echo-server, the binary: it starts on a free port and says which, answers health
 // checks, answers every RPC OK with an answer of the right shape and size (block ids 0..topk-1,
 // lengths of what the call appended), indexer-bench runs against it (reporting no server
-// figures), and SIGTERM stops it with exit 0. INDEXER_ECHO_SERVER_BINARY and
-// INDEXER_BENCH_BINARY come from tests/bench/CMakeLists.txt.
+// figures), and SIGTERM stops it with exit 0. On a Unix socket, with handler threads answering
+// at once, a stream's pipelined requests are answered in order; with --check_num_tokens it
+// refuses requests without num_tokens, and indexer-bench's (every style, pipelined streams
+// too) all pass. INDEXER_ECHO_SERVER_BINARY and INDEXER_BENCH_BINARY come from
+// tests/bench/CMakeLists.txt.
 #include <gmock/gmock.h>
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
@@ -189,12 +192,89 @@ TEST_F(EchoServerTest, IndexerBenchRunsAgainstIt) {
   unlink(json.c_str());
 }
 
+// On a Unix socket, answering on three handler threads, checking num_tokens.
+TEST(EchoServerUnixTest, PipelinedStreamsInOrderAndNumTokensChecked) {
+  const char* binary = std::getenv("INDEXER_ECHO_SERVER_BINARY");
+  const char* bench = std::getenv("INDEXER_BENCH_BINARY");
+  ASSERT_NE(binary, nullptr);
+  ASSERT_NE(bench, nullptr);
+  const std::string socket = absl::StrCat("/tmp/echo-test-", getpid(), ".sock");
+  unlink(socket.c_str());
+  Child server({binary, "--listen=unix:" + socket, "--head_dim=64", "--layers=2",
+                "--handler_threads=3", "--check_num_tokens"});
+  ASSERT_GT(server.pid(), 0);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (server.Log().find("serving on unix:" + socket) == std::string::npos &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_THAT(server.Log(), HasSubstr("serving on unix:" + socket));
+  absl::StatusOr<std::unique_ptr<client::IndexerClient>> c =
+      client::IndexerClient::Connect("unix:" + socket);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->WaitUntilServing(absl::Seconds(10)).ok());
+
+  // Without num_tokens: refused.
+  v1::SelectBlocksRequest select;
+  select.set_sequence_id("s");
+  select.set_num_heads(1);
+  select.set_queries(std::string(64 * 2, '\0'));
+  EXPECT_EQ((*c)->SelectBlocks(select).status().code(), absl::StatusCode::kInvalidArgument);
+  select.set_num_tokens(2);  // one token's queries
+  EXPECT_EQ((*c)->SelectBlocks(select).status().code(), absl::StatusCode::kInvalidArgument);
+  select.set_num_tokens(1);
+  EXPECT_TRUE((*c)->SelectBlocks(select).ok());
+
+  // Twelve requests written before any answer is read, the first ones the largest (so that the
+  // handler threads finish them last): the answers come in the order of the requests.
+  std::unique_ptr<client::BatchStream> stream = (*c)->OpenBatchStream();
+  for (uint64_t id = 1; id <= 12; ++id) {
+    v1::BatchRequest request;
+    request.set_request_id(id * 10);
+    for (uint64_t i = 0; i < (13 - id) * 20; ++i) *request.add_items() = select;
+    ASSERT_TRUE(stream->Write(request));
+  }
+  for (uint64_t id = 1; id <= 12; ++id) {
+    v1::BatchResponse answer;
+    ASSERT_TRUE(stream->Read(&answer));
+    EXPECT_EQ(answer.request_id(), id * 10);
+    EXPECT_EQ(answer.results_size(), static_cast<int>((13 - id) * 20));
+    EXPECT_EQ(answer.results(0).code(), 0);
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+
+  // indexer-bench sets num_tokens on every append and selection, in every style.
+  for (const std::vector<std::string>& style :
+       {std::vector<std::string>{"--style=unary"}, {"--style=batch"}, {"--style=stream"},
+        {"--style=stream", "--stream_inflight=2", "--speculative=2"}}) {
+    std::vector<std::string> argv = {bench, "--servers=unix:" + socket, "--concurrency=2",
+                                     "--batch=2", "--prefill=300", "--prefill_chunk=128",
+                                     "--heads=2", "--duration=400ms", "--warmup=100ms",
+                                     "--progress=off", "--summary=brief"};
+    argv.insert(argv.end(), style.begin(), style.end());
+    const testing::RunResult run = RunToEnd(argv);
+    EXPECT_EQ(run.code, 0) << style[0] << ": " << run.output;
+    EXPECT_THAT(run.output, HasSubstr(" 0 errors")) << run.output;
+  }
+  kill(server.pid(), SIGTERM);
+  EXPECT_EQ(server.Wait(absl::Seconds(10)), std::optional<int>(0)) << server.Log();
+  unlink(socket.c_str());
+}
+
 TEST(EchoServerFlags, RefusedValueExits2) {
   const char* binary = std::getenv("INDEXER_ECHO_SERVER_BINARY");
   ASSERT_NE(binary, nullptr);
   const testing::RunResult run = RunToEnd({binary, "--listen=127.0.0.1:0", "--head_dim=0"});
   EXPECT_EQ(run.code, 2);
   EXPECT_THAT(run.output, HasSubstr("--head_dim"));
+}
+
+TEST(EchoServerFlags, HelpSaysUnixSocketsWork) {
+  const char* binary = std::getenv("INDEXER_ECHO_SERVER_BINARY");
+  ASSERT_NE(binary, nullptr);
+  const testing::RunResult run = RunToEnd({binary, "--help"});
+  EXPECT_THAT(run.output, HasSubstr("--listen=unix:/"));
+  EXPECT_THAT(run.output, HasSubstr("unix:/path/to/socket for a Unix domain socket"));
 }
 
 }  // namespace

@@ -148,5 +148,37 @@ TEST(ArrivalPacerTest, ParsesNames) {
   EXPECT_FALSE(ParseArrivals("uniform").ok());
 }
 
+// Replayed intervals: arrival i comes after the first i gaps, in the file's order, starting over
+// after the last.
+TEST(ArrivalPacerTest, ReplaysIntervals) {
+  const std::string path = ::testing::TempDir() + "/intervals.txt";
+  {
+    FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs("# microseconds\n1000\n\n250.5\n0\n3000 # a pause\n", f);
+    std::fclose(f);
+  }
+  absl::StatusOr<std::vector<double>> gaps = ReadRequestIntervals(path);
+  ASSERT_TRUE(gaps.ok()) << gaps.status();
+  ASSERT_EQ(gaps->size(), 4u);
+  EXPECT_DOUBLE_EQ((*gaps)[1], 250.5e-6);
+  const Clock::time_point start = Clock::now();
+  ArrivalPacer pacer(std::make_shared<const std::vector<double>>(*gaps), start);
+  const double expected_us[] = {0, 1000, 1250.5, 1250.5, 4250.5, 5250.5, 5501, 5501, 8501};
+  for (double us : expected_us) {
+    EXPECT_NEAR(Seconds(pacer.Next() - start) * 1e6, us, 0.01);
+  }
+  EXPECT_EQ(pacer.issued(), 9);
+
+  for (const char* bad : {"12\n-3\n", "fast\n", "0\n0\n", ""}) {
+    FILE* f = std::fopen(path.c_str(), "w");
+    std::fputs(bad, f);
+    std::fclose(f);
+    EXPECT_EQ(ReadRequestIntervals(path).status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  EXPECT_FALSE(ReadRequestIntervals("/no/such/file").ok());
+}
+
 }  // namespace
 }  // namespace indexer::bench

@@ -94,7 +94,23 @@ TEST(ReportTest, JsonParsesBackWithTheFigures) {
         Field(Field(Field(st, "operations").struct_value(), "prefill").struct_value(), "tokens")
             .number_value(),
         32 * 2048);
+    // The servers' phases, per observation and per decode request.
+    const Struct& server = Field(st, "server_stats").struct_value();
+    EXPECT_TRUE(Field(server, "phases_available").bool_value());
+    const Struct& device =
+        Field(Field(server, "phases").struct_value(), "device").struct_value();
+    EXPECT_NEAR(Field(device, "mean_us").number_value(), 400, 1e-6);
+    const double calls = static_cast<double>(want.decode().ok + want.decode().errors);
+    EXPECT_NEAR(Field(device, "us_per_request").number_value(),
+                static_cast<double>(want.decode().ok) * 400 / calls, 1e-6);
+    const Struct& stability = Field(st, "stability").struct_value();
+    EXPECT_TRUE(Field(stability, "checked").bool_value());
+    EXPECT_EQ(Field(stability, "stable").bool_value(), i < 2);
+    EXPECT_EQ(Field(stability, "windows").list_value().values_size(), 3);
+    EXPECT_EQ(Field(st, "first_errors").list_value().values_size(), i == 2 ? 1 : 0);
+    EXPECT_EQ(Field(st, "stop_reason").string_value(), "");
   }
+  EXPECT_EQ(Field(json, "warnings").list_value().values_size(), 1);
 }
 
 TEST(ReportTest, CsvHasOneRowPerStage) {
@@ -127,11 +143,14 @@ TEST(ReportTest, TextSummaryNamesEverything) {
   const std::string text = TextSummary(report);
   for (const char* want :
        {"p50", "p90", "p95", "p99", "p99.9", "max", "histogram", "OK 2,000", "DEADLINE_EXCEEDED 5",
-        "UNAVAILABLE 2", "correctness", "0 mismatches", "sweep stopped", "req/s", "prefill"}) {
+        "UNAVAILABLE 2", "correctness", "0 mismatches", "sweep stopped", "req/s", "prefill",
+        "server phases    device 400.0, parse 30.0, queue 20.0, respond 15.0", "stability",
+        "NOT STABLE", "warning: the stage (concurrency 4) did not settle",
+        "error            UNAVAILABLE: 127.0.0.1:50051: connection refused"}) {
     EXPECT_NE(text.find(want), std::string::npos) << want << "\n" << text;
   }
   // The sweep table: one row per stage.
-  EXPECT_EQ(Count(text, "concurrency 4"), 2);  // its stage heading and its table row
+  EXPECT_EQ(Count(text, "concurrency 4"), 3);  // its stage heading, its table row, its warning
 }
 
 TEST(ReportTest, HtmlIsSelfContainedAndHasTheCharts) {
@@ -139,10 +158,14 @@ TEST(ReportTest, HtmlIsSelfContainedAndHasTheCharts) {
   const std::string html = HtmlReport(report);
   EXPECT_EQ(html.rfind("<!DOCTYPE html>", 0), 0u);
   EXPECT_NE(html.find("</html>"), std::string::npos);
-  EXPECT_EQ(Count(html, "<svg"), 5);
-  EXPECT_EQ(Count(html, "</svg>"), 5);
+  EXPECT_EQ(Count(html, "<svg"), 6);
+  EXPECT_EQ(Count(html, "</svg>"), 6);
   for (const char* title : {"Latency over time", "Throughput over time", "Latency CDF",
-                            "Latency histogram", "Throughput against latency across the sweep"}) {
+                            "Latency histogram", "Throughput against latency across the sweep",
+                            "Server time per decode request, by phase", "Server-side breakdown",
+                            "handler queue us", "backend us / request", "device us",
+                            "Warning: the stage (concurrency 4) did not settle",
+                            "Stopped early: stage 3", "connection refused", "NO (±"}) {
     EXPECT_NE(html.find(title), std::string::npos) << title;
   }
   EXPECT_GE(Count(html, "class=\"series\""), 6);  // lines were drawn
@@ -156,10 +179,78 @@ TEST(ReportTest, HtmlIsSelfContainedAndHasTheCharts) {
   EXPECT_NE(html.find("&quot;quoted&quot; &lt;tag&gt;"), std::string::npos);
   EXPECT_EQ(html.find("<tag>"), std::string::npos);
   // A single stage and an empty report render too.
-  EXPECT_EQ(Count(HtmlReport(SampleReport(1)), "<svg"), 5);
+  EXPECT_EQ(Count(HtmlReport(SampleReport(1)), "<svg"), 6);
   BenchReport empty;
   const std::string none = HtmlReport(empty);
   EXPECT_NE(none.find("no data"), std::string::npos);
+}
+
+// Open-loop stages show their send lag (and what was not sent); trace stages their admission wait.
+TEST(ReportTest, HtmlShowsSendLagAndAdmission) {
+  BenchReport report = SampleReport(1);
+  StageResult& st = report.stages[0];
+  st.setup.open_loop = true;
+  st.setup.target_rate = 400;
+  st.setup.label = "rate 400/s";
+  st.send_lag.Record(500'000, 99);  // 0.5 ms
+  st.send_lag.Record(4'000'000);
+  st.not_sent = 3;
+  st.admission_wait.Record(2'500'000);
+  const std::string html = HtmlReport(report);
+  for (const char* want : {"Open-loop send lag", "lag p99 ms", "Trace admission", "2.500"}) {
+    EXPECT_NE(html.find(want), std::string::npos) << want;
+  }
+  const std::string row = html.substr(html.find("<th>not sent</th>"));
+  EXPECT_NE(row.find("<td class=\"n\">400.0</td>"), std::string::npos);
+  EXPECT_NE(row.find("<td class=\"n\">0.50"), std::string::npos);  // the median lag, 0.5 ms
+  EXPECT_NE(row.find("<td class=\"n\">3</td>"), std::string::npos);
+  const std::string text = TextSummary(report);
+  EXPECT_NE(text.find("send lag (ms)    p50 0.50"), std::string::npos) << text;
+  EXPECT_NE(text.find("admission (ms)   p50 2.500"), std::string::npos) << text;
+  // Without server figures the breakdown says why.
+  report.stages[0].server = ServerStatsWindow{false, "the servers report no backend figures", {}};
+  EXPECT_NE(HtmlReport(report).find("No server figures: the servers report no backend figures"),
+            std::string::npos);
+}
+
+// Nothing is drawn outside its chart: every coordinate of every path, circle, rectangle and text
+// of every chart lies within the chart's own width and height.
+TEST(ReportTest, ChartsDrawInsideThemselves) {
+  BenchReport report = SampleReport(3);
+  // A spike far above the rest of the timeline.
+  report.stages[1].timeline[5].max_ns *= 40;
+  const std::string html = HtmlReport(report);
+  const std::regex svg_re(R"svg(<svg [^>]*width="(\d+)" height="(\d+)")svg");
+  const std::regex coord_re(R"re((?:\b(x|cx|x1|x2)="(-?[\d.]+)")|(?:\b(y|cy|y1|y2)="(-?[\d.]+)"))re");
+  const std::regex path_re(R"re(d="([^"]+)")re");
+  int charts = 0;
+  for (size_t at = html.find("<svg "); at != std::string::npos; at = html.find("<svg ", at + 1)) {
+    const std::string svg = html.substr(at, html.find("</svg>", at) - at);
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(svg, m, svg_re));
+    const double width = std::stod(m[1]), height = std::stod(m[2]);
+    ++charts;
+    for (auto it = std::sregex_iterator(svg.begin(), svg.end(), coord_re);
+         it != std::sregex_iterator(); ++it) {
+      const bool is_x = (*it)[1].matched;
+      const double v = std::stod(is_x ? (*it)[2].str() : (*it)[4].str());
+      EXPECT_GE(v, 0) << (*it)[0];
+      EXPECT_LE(v, is_x ? width : height) << (*it)[0];
+    }
+    for (auto it = std::sregex_iterator(svg.begin(), svg.end(), path_re);
+         it != std::sregex_iterator(); ++it) {
+      for (absl::string_view point : absl::StrSplit((*it)[1].str(), absl::ByAnyChar("ML "),
+                                                    absl::SkipEmpty())) {
+        const std::vector<std::string> xy = absl::StrSplit(point, ',');
+        ASSERT_EQ(xy.size(), 2u) << point;
+        EXPECT_GE(std::stod(xy[0]), 0);
+        EXPECT_LE(std::stod(xy[0]), width);
+        EXPECT_GE(std::stod(xy[1]), 0);
+        EXPECT_LE(std::stod(xy[1]), height);
+      }
+    }
+  }
+  EXPECT_EQ(charts, 6);
 }
 
 TEST(SvgChartTest, TicksAreNice) {

@@ -72,10 +72,40 @@ BenchReport SampleReport(int stages) {
     st.check.responses = n * 8;
     st.check.rows = n * 32;
     st.over_threshold = stages > 1 && s == stages - 1;
+    // The servers' figures, with the phases of a step.
+    st.server.available = true;
+    ServerCounters& sc = st.server.delta;
+    sc.has_backend = true;
+    sc.select_seconds = HistogramTotals{n, n * 400e-6};
+    sc.select_spans = HistogramTotals{n, n * 8.0};
+    sc.queue_seconds = HistogramTotals{n, n * 20e-6};
+    sc.request_seconds["Batch"] = HistogramTotals{n, n * 1.1e-3};
+    sc.has_phases = true;
+    sc.phases["parse"] = HistogramTotals{n, n * 30e-6};
+    sc.phases["queue"] = HistogramTotals{n, n * 20e-6};
+    sc.phases["device"] = HistogramTotals{n, n * 400e-6};
+    sc.phases["respond"] = HistogramTotals{n, n * 15e-6};
+    // Three windows of the measured time; the last stage's disagree.
+    std::vector<WindowFigures> windows;
+    for (int w = 0; w < 3; ++w) {
+      WindowFigures f;
+      f.start_s = 1 + w * 5.0 / 3;
+      f.seconds = 5.0 / 3;
+      f.ok = n / 3 + (s == stages - 1 && w == 2 ? n / 3 : 0);
+      f.p50_ns = static_cast<int64_t>(1.5e6 * (1 + s));
+      windows.push_back(f);
+    }
+    st.stability = JudgeStability(windows, 10, 3);
+    if (d.errors > 0) st.first_errors = {"UNAVAILABLE: 127.0.0.1:50051: connection refused"};
     offset += st.wall_s;
     r.stages.push_back(std::move(st));
   }
   if (stages > 1) r.stop_reason = "stage 3: p99 9 ms > 8 ms";
+  for (const StageResult& st : r.stages) {
+    if (st.stability.checked && !st.stability.stable) {
+      r.warnings.push_back(absl::StrCat("the stage (", st.setup.label, ") did not settle"));
+    }
+  }
   return r;
 }
 

@@ -10,7 +10,7 @@ namespace indexer::bench {
 namespace {
 
 void AddHistogram(v1::GetStatsResponse* stats, const std::string& name, uint64_t count,
-                  double sum, const std::string& rpc = "") {
+                  double sum, const std::string& rpc = "", const std::string& label = "rpc") {
   v1::MetricFamily* family = nullptr;
   for (v1::MetricFamily& f : *stats->mutable_families()) {
     if (f.name() == name) family = &f;
@@ -21,7 +21,7 @@ void AddHistogram(v1::GetStatsResponse* stats, const std::string& name, uint64_t
     family->set_type("histogram");
   }
   v1::Metric* m = family->add_metrics();
-  if (!rpc.empty()) (*m->mutable_labels())["rpc"] = rpc;
+  if (!rpc.empty()) (*m->mutable_labels())[label] = rpc;
   m->set_count(count);
   m->set_sum(sum);
 }
@@ -87,6 +87,43 @@ TEST(ServerStatsTest, SumsServersAndDifferencesAWindow) {
   EXPECT_EQ(window.batch_items.count, 20);
   EXPECT_EQ(window.batch_calls.count, 20);
   EXPECT_DOUBLE_EQ(window.batch_calls.sum, 40.0);
+}
+
+// indexer_step_phase_seconds: every phase the servers export is read, whatever its name, summed
+// over servers (and over other labels), and differenced over a window; phases not observed in the
+// window are left out; servers without the family say so.
+TEST(ServerStatsTest, ReadsEveryStepPhase) {
+  const auto with_phases = [](double scale) {
+    v1::GetStatsResponse s = Stats(10, 0.005, 20);
+    AddHistogram(&s, "indexer_step_phase_seconds", 10, 1e-5 * scale, "parse", "phase");
+    AddHistogram(&s, "indexer_step_phase_seconds", 10, 2e-5 * scale, "device", "phase");
+    AddHistogram(&s, "indexer_step_phase_seconds", 5, 1e-5 * scale, "device", "phase");
+    AddHistogram(&s, "indexer_step_phase_seconds", 3, 3e-6, "a_new_phase", "phase");
+    return s;
+  };
+  const ServerCounters a = CountersFromStats(with_phases(1));
+  EXPECT_TRUE(a.has_phases);
+  ASSERT_EQ(a.phases.size(), 3u);
+  EXPECT_EQ(a.phases.at("device").count, 15);
+  EXPECT_NEAR(a.phases.at("device").sum, 3e-5, 1e-15);
+  EXPECT_EQ(a.phases.at("a_new_phase").count, 3);
+
+  // Two servers, each with three times the phase time of `a`.
+  const ServerCounters later =
+      Sum(CountersFromStats(with_phases(3)), CountersFromStats(with_phases(3)));
+  EXPECT_EQ(later.phases.at("parse").count, 20);
+  const ServerCounters window = Difference(later, a);
+  EXPECT_EQ(window.phases.at("parse").count, 10);
+  EXPECT_NEAR(window.phases.at("parse").sum, 6e-5 - 1e-5, 1e-15);
+  EXPECT_EQ(window.phases.at("device").count, 15);
+  EXPECT_EQ(window.phases.at("a_new_phase").count, 3);  // 6 after (two servers), 3 before
+
+  const ServerCounters none = CountersFromStats(Stats(10, 0.005, 20));
+  EXPECT_FALSE(none.has_phases);
+  EXPECT_TRUE(Difference(none, none).phases.empty());
+  const ServerCounters unchanged = Difference(a, a);
+  EXPECT_TRUE(unchanged.has_phases);
+  EXPECT_TRUE(unchanged.phases.empty());  // nothing observed in an empty window
 }
 
 }  // namespace

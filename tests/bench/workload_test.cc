@@ -132,6 +132,78 @@ TEST(WorkloadTest, RewindBoundsTheLongestSequence) {
   EXPECT_TRUE(Validate(&spec, shape).ok()) << Validate(&spec, shape);
 }
 
+std::string WriteTemp(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+// The stage's first sequences start part-way through their steps, uniformly, so that they do not
+// all end (and get prefilled again) at one step; later sequences, and --nostagger, start at 0.
+TEST(WorkloadTest, FirstSequencesAreStaggered) {
+  WorkloadSpec spec;
+  spec.decode_steps = LengthDistribution::Fixed(100);
+  std::vector<int> seen(100, 0);
+  for (int64_t i = 0; i < 4000; ++i) {
+    const SequencePlan p = PlanSequence(spec, i, /*staggered=*/true);
+    ASSERT_GE(p.start_step, 0);
+    ASSERT_LT(p.start_step, 100);
+    ++seen[static_cast<size_t>(p.start_step / 10) * 10];
+    EXPECT_EQ(PlanSequence(spec, i, true).start_step, p.start_step);  // deterministic
+    EXPECT_EQ(PlanSequence(spec, i, false).start_step, 0);
+  }
+  for (int d = 0; d < 100; d += 10) EXPECT_NEAR(seen[static_cast<size_t>(d)], 400, 90) << d;
+  spec.stagger = false;
+  EXPECT_EQ(PlanSequence(spec, 7, true).start_step, 0);
+}
+
+TEST(WorkloadTest, ReadsTraces) {
+  const std::string path = WriteTemp(
+      "trace.txt", "# at prefill steps\n0 1000 5\n0.0,200,1\n\n 0.25\t3000 40  # late\n1.5 0 2\n");
+  absl::StatusOr<std::vector<TraceEntry>> trace = ReadTrace(path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  ASSERT_EQ(trace->size(), 4u);
+  EXPECT_DOUBLE_EQ((*trace)[2].at_s, 0.25);
+  EXPECT_EQ((*trace)[2].prefill, 3000);
+  EXPECT_EQ((*trace)[2].decode_steps, 40);
+  EXPECT_EQ((*trace)[3].prefill, 0);
+
+  WorkloadSpec spec;
+  spec.trace = std::make_shared<const std::vector<TraceEntry>>(*trace);
+  const SequencePlan p = PlanSequence(spec, 2, /*staggered=*/true);
+  EXPECT_EQ(p.prefill_tokens, 3000);
+  EXPECT_EQ(p.decode_steps, 40);
+  EXPECT_EQ(p.start_step, 0);  // a trace's lengths are its own: no stagger
+  EXPECT_DOUBLE_EQ(p.arrival_s, 0.25);
+  EXPECT_EQ(LongestSequence(spec), 3040);
+  spec.rewind = 8;
+  EXPECT_EQ(LongestSequence(spec), 3008);
+
+  for (const char* bad : {"0 100\n", "x 100 2\n", "0 100 0\n", "-1 100 2\n", "1 100 2\n0.5 1 1\n",
+                          "# nothing\n"}) {
+    absl::StatusOr<std::vector<TraceEntry>> t = ReadTrace(WriteTemp("bad-trace.txt", bad));
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(t.status().message().find("bad-trace.txt"), std::string::npos) << t.status();
+  }
+  EXPECT_FALSE(ReadTrace("/no/such/trace").ok());
+}
+
+TEST(WorkloadTest, StreamInflightNeedsStreamsAndSequences) {
+  ServerShape shape;
+  WorkloadSpec spec;
+  spec.style = CallStyle::kStream;
+  spec.stream_inflight = 4;
+  spec.batch = 8;
+  EXPECT_TRUE(Validate(&spec, shape).ok());
+  spec.batch = 3;  // a micro-batch per request in flight
+  EXPECT_FALSE(Validate(&spec, shape).ok());
+  spec.batch = 8;
+  spec.style = CallStyle::kBatch;
+  EXPECT_FALSE(Validate(&spec, shape).ok());
+  spec.stream_inflight = 0;
+  EXPECT_FALSE(Validate(&spec, shape).ok());
+}
+
 TEST(WorkloadTest, ValuePoolIsBf16Exact) {
   for (ValueKind kind : {ValueKind::kNormal, ValueKind::kInteger}) {
     const ValuePool pool(kind, 4096, 5);

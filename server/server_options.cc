@@ -57,10 +57,10 @@ ABSL_FLAG(int64_t, max_sequences, 65536,
           "create one more fails with RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend compute threads (0 = all hardware threads)");
 ABSL_FLAG(int32_t, handler_threads, 0,
-          "Threads running requests (0 = auto: with --batching max(64, 4 x hardware threads, "
-          "--batch_max_tasks), else max(4, 2 x hardware threads)). A call waiting for its batch "
-          "holds a thread, so N single-sequence callers can share one launch only with N threads; "
-          "idle threads cost little");
+          "Threads running the calls that may wait (ReleaseSequence, TruncateSequence, "
+          "ForkSequence, GetSequence, ServerInfo, GetStats, Snapshot; 0 = auto: max(4, hardware "
+          "threads)). Appends and selections hold no thread: they run on gRPC's threads and end "
+          "on the device's");
 ABSL_FLAG(int32_t, handler_spin_us, 0,
           "Microseconds up to two idle handler threads poll for the next call before they sleep "
           "(0 = never): a call that finds one starts without a thread wake-up (tens of "
@@ -511,8 +511,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
 int HandlerThreads(const ServerOptions& o) {
   if (o.handler_threads > 0) return o.handler_threads;
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (!o.engine.batching.enabled) return std::max(4, 2 * hw);
-  return std::min(4096, std::max({64, 4 * hw, o.engine.batching.max_tasks}));
+  return std::max(4, hw);
 }
 
 std::string Summary(const ServerOptions& o) {

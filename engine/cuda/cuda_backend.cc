@@ -60,6 +60,7 @@ class CudaBackend final : public KeyCacheBackend {
     // Free the streams, staging, graphs and pool on this backend's device.
     (void)cudaSetDevice(slot_.ordinal);
     lanes_.Clear();
+    copy_lanes_.Clear();
     pool_.Reset();
     (void)cudaGetLastError();
   }
@@ -161,8 +162,12 @@ class CudaBackend final : public KeyCacheBackend {
   DeviceBuffer pool_;  // allocated in Init, then only read and written through lanes' streams
   std::unique_ptr<std::atomic<float>[]> key_max_abs_;  // [layers]
 
-  // Steps (key writes and selections together), page copies and transfers each take a lane.
+  // Steps (key writes and selections together) take a lane of lanes_. Page copies and
+  // transfers take the one lane of copy_lanes_: they are synchronous and may run on a lane's
+  // completion thread (a wave that follows another applies its copy-on-write there), where
+  // waiting for a step's lane could wait for that very thread.
   LanePool lanes_;
+  LanePool copy_lanes_;
 
   std::atomic<int64_t> selects_{0}, graph_launches_{0}, graph_builds_{0}, graph_node_updates_{0},
       graph_fallbacks_{0}, buffer_growths_{0};
@@ -220,6 +225,7 @@ absl::Status CudaBackend::Init() {
   for (int i = 0; i < options_.lanes; ++i) {
     INDEXER_RETURN_IF_ERROR(lanes_.Add(slot_.ordinal, options_.graphs_per_lane, least_priority));
   }
+  INDEXER_RETURN_IF_ERROR(copy_lanes_.Add(slot_.ordinal, 1, greatest_priority));
   device_name_ = absl::StrFormat(
       "%s (device %d, sm_%d%d, %d SMs, %.0f GiB, pool %.2f GiB of pages [%d, %d), %d lanes, "
       "graphs %s)",
@@ -274,7 +280,7 @@ absl::Status CudaBackend::CopyPageOnDevice(int32_t src, int32_t dst) {
   int64_t s = 0, t = 0;
   INDEXER_RETURN_IF_ERROR(ToLocal(src, &s, "page copy"));
   INDEXER_RETURN_IF_ERROR(ToLocal(dst, &t, "page copy"));
-  LaneLease lease(lanes_);
+  LaneLease lease(copy_lanes_);
   INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   char* base = pool_.get<char>();
@@ -299,7 +305,7 @@ absl::Status CudaBackend::TransferPages(std::span<const int32_t> pages, HostByte
   if (pages.empty()) return absl::OkStatus();
   std::vector<int32_t> local(pages.size());
   INDEXER_RETURN_IF_ERROR(ToLocal(pages.data(), static_cast<int64_t>(pages.size()), local.data(), what));
-  LaneLease lease(lanes_);
+  LaneLease lease(copy_lanes_);
   INDEXER_RETURN_IF_ERROR(EnterDevice());
   Lane& lane = lease.lane();
   const int64_t bytes_per_page = config_.layers * page_bytes_;

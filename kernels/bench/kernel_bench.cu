@@ -19,6 +19,8 @@
 
 #include "kernels/bench/check_cuda.h"
 #include "kernels/cuda/launchers.h"
+#include "kernels/cuda/span_plan.h"
+#include "kernels/cuda/step_staging.h"
 #include "kernels/numeric.h"
 
 namespace {
@@ -135,27 +137,32 @@ struct Timer {
   }
 };
 
-// A key pool with `lens` sequences in random page order, their span descriptors and outputs.
+// A key pool with `lens` sequences in random page order, staged as the CUDA backend stages a
+// step (kernels/cuda/step_staging.h): descriptors, decode index, block tables and queries in one
+// device buffer, outputs in another. Every span takes `path`.
 struct Workload {
-  std::vector<SpanDesc> descs;
   int64_t used_pages = 0;
   void* pool = nullptr;
-  int32_t* bt = nullptr;
-  uint16_t* queries = nullptr;
-  int32_t* ids = nullptr;
-  SpanDesc* d_descs = nullptr;
-  void* d_index = nullptr;  // the decode index (WriteDecodeIndex) of d_descs
+  std::vector<int32_t> perm;         // the block tables of every span, one after the other
+  std::vector<uint16_t> queries;     // host copy of the random queries
+  std::vector<int32_t> ids;          // every span's block ids, scattered from the outputs
+  std::vector<int64_t> starts;
+  std::vector<kc::StagedSpan> spans;
+  kc::StepStaging staging;
+  char* in = nullptr;
+  char* out = nullptr;
   float* scores = nullptr;
   int* counters = nullptr;
 
-  Workload(const std::vector<int64_t>& lens, const std::vector<int64_t>& starts, int n, int h,
-           KeyStorage st, std::mt19937_64& rng) {
+  Workload(const std::vector<int64_t>& lens, const std::vector<int64_t>& span_starts, int n, int h,
+           KeyStorage st, kc::SpanPath path, int num_sms, int max_chunk, std::mt19937_64& rng)
+      : starts(span_starts) {
     const int elem = st == KeyStorage::kBf16 ? 2 : 1;
     std::vector<int64_t> nb(lens.size());
     for (size_t i = 0; i < lens.size(); ++i) nb[i] = (lens[i] + 127) / 128;
     used_pages = std::accumulate(nb.begin(), nb.end(), int64_t{0});
     const int64_t pages = used_pages + 7;
-    std::vector<int32_t> perm(pages);
+    perm.resize(pages);
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
     const int64_t pool_elems = pages * 128 * kD;
@@ -164,46 +171,56 @@ struct Workload {
     CHECK_CUDA(cudaGetLastError());
     const int64_t rows = int64_t{n} * h;
     const int64_t q_elems = static_cast<int64_t>(lens.size()) * rows * kD;
-    CHECK_CUDA(cudaMalloc(&queries, q_elems * 2));
-    FillRandom<<<256, 256>>>(reinterpret_cast<uint8_t*>(queries), q_elems, rng(), false);
+    uint16_t* d_queries = nullptr;
+    CHECK_CUDA(cudaMalloc(&d_queries, q_elems * 2));
+    FillRandom<<<256, 256>>>(reinterpret_cast<uint8_t*>(d_queries), q_elems, rng(), false);
     CHECK_CUDA(cudaGetLastError());
-    CHECK_CUDA(cudaMalloc(&bt, used_pages * 4));
-    CHECK_CUDA(cudaMemcpy(bt, perm.data(), used_pages * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMalloc(&ids, static_cast<int64_t>(lens.size()) * rows * kTopk * 4));
-    descs.resize(lens.size());
+    queries.resize(q_elems);
+    CHECK_CUDA(cudaMemcpy(queries.data(), d_queries, q_elems * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaFree(d_queries));
+    ids.resize(static_cast<size_t>(lens.size()) * rows * kTopk);
+    spans.resize(lens.size());
     int64_t off = 0;
     for (size_t i = 0; i < lens.size(); ++i) {
-      SpanDesc& d = descs[i];
-      d.keys = pool;
-      d.block_table = bt + off;
+      indexer::kernels::SpanSelect& s = spans[i].host;
+      s.block_table = perm.data() + off;
       off += nb[i];
-      d.queries = queries + static_cast<int64_t>(i) * rows * kD;
-      d.block_ids = ids + static_cast<int64_t>(i) * rows * kTopk;
-      d.start_pos = starts[i];
-      d.num_tokens = n;
-      d.num_heads = h;
-      d.topk = kTopk;
-      d.init_blocks = 0;
-      d.local_blocks = 1;
+      s.queries = queries.data() + static_cast<int64_t>(i) * rows * kD;
+      s.block_ids = ids.data() + static_cast<int64_t>(i) * rows * kTopk;
+      s.start_pos = starts[i];
+      s.num_tokens = n;
+      s.num_heads = h;
+      s.params = indexer::kernels::SelectParams{kTopk, 0, 1};
+      spans[i].keys = pool;
+      spans[i].path = path;
     }
+    staging.Plan({}, spans, kD, st, indexer::kernels::PageTableParams{});
+    std::vector<char> host_in(staging.input_bytes());
+    CHECK_CUDA(cudaMalloc(&in, std::max<size_t>(host_in.size(), 16)));
+    CHECK_CUDA(cudaMalloc(&out, std::max<int64_t>(staging.output_bytes(), 16)));
+    if (staging.WriteInputs(host_in.data(), in, out, kc::PageRange{0, pages}, {}, num_sms, max_chunk)) {
+      std::fprintf(stderr, "bench: a block table names a page outside the pool\n");
+      std::exit(1);
+    }
+    CHECK_CUDA(cudaMemcpy(in, host_in.data(), host_in.size(), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMalloc(&scores, staging.ScoreFloats() * 4));
+    CHECK_CUDA(cudaMalloc(&counters, staging.DecodeCounters() * 4));
+    CHECK_CUDA(cudaMemset(counters, 0, staging.DecodeCounters() * 4));
   }
-  void Upload(int64_t score_floats) {
-    CHECK_CUDA(cudaMalloc(&d_descs, descs.size() * sizeof(SpanDesc)));
-    CHECK_CUDA(cudaMemcpy(d_descs, descs.data(), descs.size() * sizeof(SpanDesc), cudaMemcpyHostToDevice));
-    std::vector<unsigned char> index(kc::DecodeIndexBytes(descs.size()));
-    kc::WriteDecodeIndex(descs, index.data());
-    CHECK_CUDA(cudaMalloc(&d_index, index.size()));
-    CHECK_CUDA(cudaMemcpy(d_index, index.data(), index.size(), cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMalloc(&scores, std::max<int64_t>(score_floats, 1) * 4));
-    CHECK_CUDA(cudaMalloc(&counters, descs.size() * 4));
-    CHECK_CUDA(cudaMemset(counters, 0, descs.size() * 4));
-  }
+  int num_spans() const { return static_cast<int>(spans.size()); }
+  const SpanDesc* d_descs() const { return staging.DeviceDescs(in); }
+  const void* d_index() const { return staging.DeviceDecodeIndex(in); }
+  const kc::DecodePlan& decode_plan() const { return staging.batch().decode; }
+  const kc::PrefillPlan& prefill_plan() const { return staging.batch().prefill; }
   // Every span's first row must hold valid ids (catches a launch that silently did nothing).
   void CheckIds() {
-    std::vector<int32_t> h(kTopk);
-    for (size_t i = 0; i < descs.size(); i += std::max<size_t>(1, descs.size() / 8)) {
-      CHECK_CUDA(cudaMemcpy(h.data(), descs[i].block_ids, kTopk * 4, cudaMemcpyDeviceToHost));
-      const int64_t v = (descs[i].start_pos) / 128 + 1;
+    std::vector<char> host_out(std::max<int64_t>(staging.output_bytes(), 16));
+    CHECK_CUDA(cudaMemcpy(host_out.data(), out, host_out.size(), cudaMemcpyDeviceToHost));
+    staging.Scatter(host_out.data());
+    const int64_t per_span = ids.size() / spans.size();
+    for (size_t i = 0; i < spans.size(); i += std::max<size_t>(1, spans.size() / 8)) {
+      const int32_t* h = ids.data() + i * per_span;
+      const int64_t v = starts[i] / 128 + 1;
       for (int j = 0; j < kTopk; ++j) {
         const bool ok = j < v ? (h[j] >= 0 && h[j] < v) : h[j] == -1;
         if (!ok) {
@@ -215,11 +232,8 @@ struct Workload {
   }
   ~Workload() {
     cudaFree(pool);
-    cudaFree(bt);
-    cudaFree(queries);
-    cudaFree(ids);
-    cudaFree(d_descs);
-    cudaFree(d_index);
+    cudaFree(in);
+    cudaFree(out);
     cudaFree(scores);
     cudaFree(counters);
   }
@@ -237,7 +251,7 @@ std::string TimelineLine(Workload& w, const kc::DecodePlan& plan, KeyStorage st,
     CHECK_CUDA(cudaMemsetAsync(d, 0, kc::kDecodeTimelineSlots * sizeof(unsigned long long), stream));
     CHECK_CUDA(cudaMemsetAsync(d, 0xff, sizeof(unsigned long long), stream));
     timer.Flush(run, stream);
-    CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs, w.d_index, static_cast<int>(w.descs.size()), plan, st, kD, pt,
+    CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs(), w.d_index(), w.num_spans(), plan, st, kD, pt,
                                       w.scores, w.counters, stream, d));
     unsigned long long h[kc::kDecodeTimelineSlots];
     CHECK_CUDA(cudaMemcpyAsync(h, d, sizeof(h), cudaMemcpyDeviceToHost, stream));
@@ -345,12 +359,11 @@ int main_impl(int argc, char** argv) {
         const std::vector<int64_t> lens = Lengths(c);
         std::vector<int64_t> starts(lens.size());
         for (size_t i = 0; i < lens.size(); ++i) starts[i] = std::max<int64_t>(0, lens[i] - c.q);
-        Workload w(lens, starts, c.q, c.h, st, rng);
-        const kc::DecodePlan plan = kc::PlanDecode(w.descs, prop.multiProcessorCount,
-                                                   max_chunk > 0 ? max_chunk : kc::DecodeChunkBlocks(kD, st));
-        w.Upload(plan.score_floats);
+        Workload w(lens, starts, c.q, c.h, st, kc::SpanPath::kDecode, prop.multiProcessorCount,
+                   max_chunk, rng);
+        const kc::DecodePlan& plan = w.decode_plan();
         const auto launch = [&] {
-          CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs, w.d_index, static_cast<int>(w.descs.size()), plan, st, kD, pt,
+          CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs(), w.d_index(), w.num_spans(), plan, st, kD, pt,
                                             w.scores, w.counters, stream));
         };
         const double eager = timer.Median(launch, 20, reps, stream);
@@ -392,18 +405,18 @@ int main_impl(int argc, char** argv) {
     for (const PrefillCase& c : kPrefillPreset) {
       const int64_t l = c.prefix + c.chunk;
       std::vector<int64_t> lens(c.b, l), starts(c.b, c.prefix);
-      Workload w(lens, starts, static_cast<int>(c.chunk), c.h, KeyStorage::kBf16, rng);
-      const kc::PrefillPlan plan = kc::PlanPrefill(w.descs, kc::PrefillRowTile(kD));
-      w.Upload(plan.score_floats);
+      Workload w(lens, starts, static_cast<int>(c.chunk), c.h, KeyStorage::kBf16, kc::SpanPath::kPrefill,
+                 prop.multiProcessorCount, 0, rng);
+      const kc::PrefillPlan& plan = w.prefill_plan();
       const auto launch = [&] {
-        CHECK_CUDA(kc::LaunchPrefillSelect(w.d_descs, static_cast<int>(w.descs.size()), plan,
-                                           KeyStorage::kBf16, kD, pt, w.scores, stream));
+        CHECK_CUDA(kc::LaunchPrefillSelect(w.d_descs(), w.num_spans(), plan, KeyStorage::kBf16, kD, pt,
+                                           w.scores, stream));
       };
       const double us = timer.Median(launch, 5, std::max(5, reps / 4), stream);
       // The two launches (scores, then top-k) timed on their own, the same way.
       kc::LaunchList list;
-      CHECK_CUDA(kc::DescribePrefillSelect(w.d_descs, static_cast<int>(w.descs.size()), plan,
-                                           KeyStorage::kBf16, kD, pt, w.scores, &list));
+      CHECK_CUDA(kc::DescribePrefillSelect(w.d_descs(), w.num_spans(), plan, KeyStorage::kBf16, kD, pt,
+                                           w.scores, &list));
       double part_us[2] = {0, 0};
       for (int k = 0; k < 2 && k < list.size; ++k) {
         kc::LaunchList one;

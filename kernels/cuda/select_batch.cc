@@ -21,7 +21,7 @@ void SelectBatch::WriteDevice(void* host) const {
 }
 
 SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
-                            int num_sms, int head_dim, KeyStorage storage) {
+                            int num_sms, int head_dim, KeyStorage storage, int decode_chunk_blocks) {
   SelectBatch b;
   for (SpanPath want : {SpanPath::kDecode, SpanPath::kPrefill, SpanPath::kExact}) {
     for (size_t i = 0; i < spans.size(); ++i) {
@@ -32,7 +32,8 @@ SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vecto
     (want == SpanPath::kDecode ? b.n_decode : want == SpanPath::kPrefill ? b.n_prefill : b.n_exact) = n;
   }
   SpanDesc* d = b.descs.data();
-  b.decode = PlanDecode(std::span<SpanDesc>(d, b.n_decode), num_sms, DecodeChunkBlocks(head_dim, storage));
+  const int chunk = decode_chunk_blocks > 0 ? decode_chunk_blocks : DecodeChunkBlocks(head_dim, storage);
+  b.decode = PlanDecode(std::span<SpanDesc>(d, b.n_decode), num_sms, chunk);
   b.prefill = PlanPrefill(std::span<SpanDesc>(d + b.n_decode, b.n_prefill), PrefillRowTile(head_dim));
   b.exact = PlanPrefill(std::span<SpanDesc>(d + b.n_decode + b.n_prefill, b.n_exact), ExactRowTile(head_dim));
   return b;

@@ -30,8 +30,11 @@ struct SelectBatch {
 inline size_t SelectBatchDeviceBytes(size_t spans) { return spans * sizeof(SpanDesc) + DecodeIndexBytes(spans); }
 
 // `spans` in the caller's order with their paths (ChoosePath); plans every group.
+// `decode_chunk_blocks` caps the blocks per decode CTA: 0 for DecodeChunkBlocks (the benchmark
+// varies it).
 SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
-                            int num_sms, int head_dim, KeyStorage storage);
+                            int num_sms, int head_dim, KeyStorage storage,
+                            int decode_chunk_blocks = 0);
 
 // Describes the launches of the groups of `batch` (appended to *out, in stream order), whose
 // device image (WriteDevice) is at `d_descs`. `scores` holds

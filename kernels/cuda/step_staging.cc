@@ -74,7 +74,8 @@ void StepStaging::Plan(std::span<const KeyWrite> writes, std::span<const StagedS
 }
 
 std::optional<int32_t> StepStaging::WriteInputs(char* h, char* din, char* dout, PageRange pages,
-                                                WriteTarget target, int num_sms) {
+                                                WriteTarget target, int num_sms,
+                                                int decode_chunk_blocks) {
   for (size_t i = 0; i < writes_.size(); ++i) {
     const KeyWrite& w = writes_[i];
     const WritePlace& p = write_places_[i];
@@ -125,7 +126,7 @@ std::optional<int32_t> StepStaging::WriteInputs(char* h, char* din, char* dout, 
     paths_[i] = spans_[i].path;
   }
   if (!spans_.empty()) {
-    batch_ = PlanSelectBatch(descs_, paths_, num_sms, head_dim_, storage_);
+    batch_ = PlanSelectBatch(descs_, paths_, num_sms, head_dim_, storage_, decode_chunk_blocks);
     batch_.WriteDevice(h);
   } else {
     batch_ = SelectBatch{};

@@ -435,6 +435,53 @@ TEST_F(EngineBatchingTest, ConcurrentDecodeStepsShareOneLaunchAndMatchTheReferen
   }
 }
 
+// A call on a sequence another call is using holds no thread: BatchAsync returns at once, the
+// call waits (parked on the sequence) until the first has answered, then runs on the thread
+// that ended the first, and sees the first call's append.
+TEST_F(EngineBatchingTest, ACallOnABusySequenceWaitsWithoutAThreadAndSeesTheEarlierAppend) {
+  Init(BatchConfig());
+  ASSERT_NO_FATAL_FAILURE(AppendOk("a", 300));
+  backend_->Close();
+  Step first{RandomBf16(rng_, config_.head_dim), RandomBf16(rng_, config_.head_dim)};
+  std::thread holder([&] { first.result = DecodeStep(*engine_, "a", first); });
+  ASSERT_TRUE(backend_->WaitForCalls(1));  // the first step is in the backend, "a" locked
+
+  Step second{RandomBf16(rng_, config_.head_dim), RandomBf16(rng_, config_.head_dim)};
+  const std::string keys = Bytes(second.key), queries = Bytes(second.query);
+  StepRequest r;
+  r.sequence_id = "a";
+  r.append = AppendRequest{"", 0, false, WireDtype::kBf16, keys, {}};
+  r.num_heads = 1;
+  r.query_dtype = WireDtype::kBf16;
+  r.queries = queries;
+  std::promise<std::vector<absl::StatusOr<StepResult>>> answered;
+  std::future<std::vector<absl::StatusOr<StepResult>>> got = answered.get_future();
+  const engine::CallControl control;
+  const std::thread::id caller = std::this_thread::get_id();
+  std::thread::id ran_on;
+  engine_->BatchAsync(std::span<const StepRequest>(&r, 1), control, nullptr,
+                      [&](absl::Status call, std::vector<absl::StatusOr<StepResult>> results) {
+                        EXPECT_TRUE(call.ok()) << call;
+                        ran_on = std::this_thread::get_id();
+                        answered.set_value(std::move(results));
+                      });
+  // Returned without waiting for "a"; nothing of the second call has reached the backend.
+  EXPECT_EQ(got.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
+  EXPECT_EQ(backend_->calls().size(), 1u);
+  ReleaseLaunches();
+  holder.join();
+  std::vector<absl::StatusOr<StepResult>> results = got.get();
+  EXPECT_NE(ran_on, caller);
+  ASSERT_TRUE(first.result.ok()) << first.result.status();
+  ASSERT_TRUE(results[0].ok()) << results[0].status();
+  SeqModel& m = models_["a"];
+  m.Append(0, first.key);
+  m.Append(0, second.key);
+  EXPECT_EQ(results[0]->lengths, m.Lengths());
+  ExpectSameSelection(*results[0], ExpectedSelect(config_, m, 0, m.Len(0) - 1, 1, 1, second.query,
+                                                  config_.defaults));
+}
+
 TEST_F(EngineBatchingTest, TheQueueBoundRefusesAndRollsTheAppendBack) {
   Init(BatchConfig(256, 0, /*queue_bound=*/2));
   for (const char* id : {"holder", "a", "b", "victim"}) ASSERT_NO_FATAL_FAILURE(AppendOk(id, 128));

@@ -13,7 +13,8 @@
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_resources.h"
 #include "kernels/cuda/launchers.h"
-#include "kernels/cuda/select_batch.h"
+#include "kernels/cuda/span_plan.h"
+#include "kernels/cuda/step_staging.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/testing/gpu_test.h"
 
@@ -21,7 +22,6 @@ namespace indexer::testing {
 namespace {
 
 using kernels::KeyStorage;
-using kernels::cuda::SpanDesc;
 
 enum class Path { kAuto, kPrefillOnly, kExactOnly };
 
@@ -33,100 +33,81 @@ enum class Path { kAuto, kPrefillOnly, kExactOnly };
 
 class GpuSelectTest : public GpuTest {
  protected:
-  // Uploads the case, runs it like the CUDA backend does (decode-shaped spans through the fused
-  // decode selector, the rest through prefill; or everything through prefill), `repeats` times
-  // with poisoned outputs, and checks every span every time.
+  // Stages the case as the CUDA backend does (kernels/cuda/step_staging.h: decode-shaped spans
+  // through the fused decode selector, the rest through prefill; or everything through prefill,
+  // or through the exact path), runs it `repeats` times with poisoned outputs, and checks every
+  // span every time.
   void Run(PoolCase& c, Path path = Path::kAuto, int repeats = 2) {
     SCOPED_TRACE("seed " + std::to_string(seed_));
     BuildCase(c, rng_);
     const int d = c.head_dim;
-    engine::DeviceBuffer pool, bt, attn, q, ids, table, ctx, descs, scores, counters;
+    engine::DeviceBuffer pool, in, out, scores, counters;
     ASSERT_TRUE(pool.Allocate(c.pool.size()).ok());
     CUDA_OK(cudaMemcpy(pool.get(), c.pool.data(), c.pool.size(), cudaMemcpyHostToDevice));
-    std::vector<int64_t> bt_off, attn_off, q_off, ids_off, table_off;
-    std::vector<int32_t> h_bt, h_attn;
-    std::vector<uint16_t> h_q;
+    // Every span's outputs in host vectors, where StepStaging::Scatter puts them.
+    std::vector<int64_t> ids_off, table_off, ctx_off;
     int64_t n_ids = 0, n_table = 0, n_rows = 0;
     for (const SpanCase& s : c.spans) {
-      bt_off.push_back(static_cast<int64_t>(h_bt.size()));
-      h_bt.insert(h_bt.end(), s.block_table.begin(), s.block_table.end());
-      attn_off.push_back(static_cast<int64_t>(h_attn.size()));
-      h_attn.insert(h_attn.end(), s.attn_pages.begin(), s.attn_pages.end());
-      q_off.push_back(static_cast<int64_t>(h_q.size()));
-      h_q.insert(h_q.end(), s.queries.begin(), s.queries.end());
       const int rows = s.num_tokens * s.num_heads;
       ids_off.push_back(n_ids);
       n_ids += int64_t{rows} * s.params.topk;
       table_off.push_back(n_table);
       n_table += s.attn ? int64_t{rows} * s.params.topk * c.pt.pages_per_block : 0;
+      ctx_off.push_back(n_rows);
       n_rows += rows;
     }
-    const auto upload = [](engine::DeviceBuffer& buf, const void* data, size_t bytes) {
-      ASSERT_TRUE(buf.Allocate(std::max<size_t>(bytes, 16)).ok());
-      if (bytes > 0) ASSERT_EQ(cudaSuccess, cudaMemcpy(buf.get(), data, bytes, cudaMemcpyHostToDevice));
-    };
-    upload(bt, h_bt.data(), h_bt.size() * 4);
-    upload(attn, h_attn.data(), h_attn.size() * 4);
-    upload(q, h_q.data(), h_q.size() * 2);
-    ASSERT_TRUE(ids.Allocate(n_ids * 4 + 16).ok());
-    ASSERT_TRUE(table.Allocate(n_table * 4 + 16).ok());
-    ASSERT_TRUE(ctx.Allocate(n_rows * 4 + 16).ok());
-
-    // Paths as the backend chooses them (or prefill for every span the exact path need not take).
-    std::vector<SpanDesc> spans(c.spans.size());
-    std::vector<kernels::cuda::SpanPath> paths(c.spans.size());
-    int64_t ctx_row = 0;
-    std::vector<int64_t> ctx_off(c.spans.size());
+    std::vector<int32_t> got_ids(n_ids), got_table(n_table), got_ctx(n_rows);
+    std::vector<kernels::cuda::StagedSpan> staged(c.spans.size());
     for (size_t i = 0; i < c.spans.size(); ++i) {
       const SpanCase& s = c.spans[i];
       const int rows = s.num_tokens * s.num_heads;
-      ctx_off[i] = ctx_row;
-      ctx_row += rows;
-      SpanDesc& desc = spans[i];
-      desc.keys = pool.get();
-      desc.block_table = bt.get<int32_t>() + bt_off[i];
-      desc.attn_pages = s.attn ? attn.get<int32_t>() + attn_off[i] : nullptr;
-      desc.queries = q.get<uint16_t>() + q_off[i];
-      desc.block_ids = ids.get<int32_t>() + ids_off[i];
-      desc.page_table = s.attn ? table.get<int32_t>() + table_off[i] : nullptr;
-      desc.context_lens = s.attn ? ctx.get<int32_t>() + ctx_off[i] : nullptr;
-      desc.start_pos = s.start_pos;
-      desc.num_tokens = s.num_tokens;
-      desc.num_heads = s.num_heads;
-      desc.topk = s.params.topk;
-      desc.init_blocks = s.params.init_blocks;
-      desc.local_blocks = s.params.local_blocks;
-      paths[i] = kernels::cuda::ChoosePath(rows, d, c.storage,
-                                           kernels::cuda::ScanBf16(s.queries.data(), int64_t{rows} * d),
-                                           c.max_abs_key);
-      if (path == Path::kPrefillOnly && paths[i] == kernels::cuda::SpanPath::kDecode) {
-        paths[i] = kernels::cuda::SpanPath::kPrefill;
+      kernels::SpanSelect& h = staged[i].host;
+      h.block_table = s.block_table.data();
+      h.attn_pages = s.attn ? s.attn_pages.data() : nullptr;
+      h.start_pos = s.start_pos;
+      h.num_tokens = s.num_tokens;
+      h.num_heads = s.num_heads;
+      h.queries = s.queries.data();
+      h.params = s.params;
+      h.block_ids = got_ids.data() + ids_off[i];
+      h.page_table = s.attn ? got_table.data() + table_off[i] : nullptr;
+      h.context_lens = s.attn ? got_ctx.data() + ctx_off[i] : nullptr;
+      staged[i].keys = pool.get();
+      // Paths as the backend chooses them (or prefill for every span the exact path need not
+      // take, or exact for all).
+      kernels::cuda::SpanPath& p = staged[i].path;
+      p = kernels::cuda::ChoosePath(rows, d, c.storage,
+                                    kernels::cuda::ScanBf16(s.queries.data(), int64_t{rows} * d),
+                                    c.max_abs_key);
+      if (path == Path::kPrefillOnly && p == kernels::cuda::SpanPath::kDecode) {
+        p = kernels::cuda::SpanPath::kPrefill;
       }
-      if (path == Path::kExactOnly) paths[i] = kernels::cuda::SpanPath::kExact;
+      if (path == Path::kExactOnly) p = kernels::cuda::SpanPath::kExact;
     }
     int sms = 0;
     CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const kernels::cuda::SelectBatch batch = kernels::cuda::PlanSelectBatch(spans, paths, sms, d, c.storage);
-    std::vector<unsigned char> image(batch.DeviceBytes());
-    batch.WriteDevice(image.data());
-    upload(descs, image.data(), image.size());
-    ASSERT_TRUE(scores.Allocate(batch.ScoreFloats() * 4).ok());
-    ASSERT_TRUE(counters.Allocate(std::max<size_t>(batch.n_decode, 1) * 4).ok());
+    kernels::cuda::StepStaging staging;
+    staging.Plan({}, staged, d, c.storage, c.pt);
+    std::vector<char> host_in(staging.input_bytes()), host_out(std::max<int64_t>(staging.output_bytes(), 4));
+    ASSERT_TRUE(in.Allocate(std::max<size_t>(host_in.size(), 16)).ok());
+    ASSERT_TRUE(out.Allocate(host_out.size()).ok());
+    ASSERT_EQ(staging.WriteInputs(host_in.data(), in.get<char>(), out.get<char>(),
+                                  kernels::cuda::PageRange{0, c.num_pages}, {}, sms),
+              std::nullopt);
+    CUDA_OK(cudaMemcpy(in.get(), host_in.data(), host_in.size(), cudaMemcpyHostToDevice));
+    ASSERT_TRUE(scores.Allocate(staging.ScoreFloats() * 4).ok());
+    ASSERT_TRUE(counters.Allocate(staging.DecodeCounters() * 4).ok());
     CUDA_OK(cudaMemset(counters.get(), 0, counters.bytes()));
-    const auto* d_descs = descs.get<SpanDesc>();
+    kernels::cuda::LaunchList launches;
+    CUDA_OK(staging.Describe(in.get<char>(), scores.get<float>(), counters.get<int>(), &launches));
 
-    std::vector<int32_t> got_ids(n_ids), got_table(n_table), got_ctx(n_rows);
     for (int rep = 0; rep < repeats; ++rep) {
-      CUDA_OK(cudaMemset(ids.get(), 0x7f, ids.bytes()));  // poison: 0x7f7f7f7f
-      CUDA_OK(cudaMemset(table.get(), 0x7f, table.bytes()));
-      CUDA_OK(cudaMemset(ctx.get(), 0x7f, ctx.bytes()));
+      CUDA_OK(cudaMemset(out.get(), 0x7f, out.bytes()));        // poison: 0x7f7f7f7f
       CUDA_OK(cudaMemset(scores.get(), 0xff, scores.bytes()));  // NaN: unwritten scores show
-      CUDA_OK(kernels::cuda::LaunchSelectBatch(batch, d_descs, c.storage, d, c.pt, scores.get<float>(),
-                                               counters.get<int>(), nullptr));
+      CUDA_OK(launches.Enqueue(nullptr));
       CUDA_OK(cudaDeviceSynchronize());
-      CUDA_OK(cudaMemcpy(got_ids.data(), ids.get(), n_ids * 4, cudaMemcpyDeviceToHost));
-      if (n_table > 0) CUDA_OK(cudaMemcpy(got_table.data(), table.get(), n_table * 4, cudaMemcpyDeviceToHost));
-      CUDA_OK(cudaMemcpy(got_ctx.data(), ctx.get(), n_rows * 4, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(host_out.data(), out.get(), host_out.size(), cudaMemcpyDeviceToHost));
+      staging.Scatter(host_out.data());
       for (size_t i = 0; i < c.spans.size(); ++i) {
         const SpanCase& s = c.spans[i];
         const std::string why = CheckSpan(c, s, got_ids.data() + ids_off[i],

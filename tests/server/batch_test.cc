@@ -215,6 +215,61 @@ TEST_F(BatchTest, StreamAnswersInOrderAndEqualsUnaryCalls) {
   }
 }
 
+// Many requests in flight on one stream, more than the server keeps unanswered at once
+// (BatchStreamReactor::kMaxInFlight): requests on different sequences run side by side,
+// requests naming a sequence an earlier one names apply after it, and every answer comes back in
+// order and equals the reference applied in request order.
+TEST_F(BatchTest, PipelinedStreamRequestsApplyInOrderPerSequenceAndAnswerInOrder) {
+  const std::vector<std::string> ids = {"x", "y", "z"};
+  for (const std::string& id : ids) {
+    std::vector<float> prefill = IntValues(rng_, 130 * layers() * head_dim());
+    ASSERT_TRUE(client_->AppendKeys(client::MakeAppendAllLayers(id, prefill)).ok());
+    Host(id).AppendAllLayers(prefill);
+  }
+  // Request i names ids[i % 3], and every fourth request names all three.
+  constexpr int kRequests = 20;
+  struct Item {
+    std::string id;
+    std::vector<float> key, q;
+  };
+  std::vector<std::vector<Item>> items(kRequests);
+  std::unique_ptr<client::BatchStream> stream = client_->OpenBatchStream();
+  for (int i = 0; i < kRequests; ++i) {
+    v1::BatchRequest req;
+    req.set_request_id(500 + i);
+    const std::vector<std::string> named =
+        i % 4 == 3 ? ids : std::vector<std::string>{ids[i % 3]};
+    for (const std::string& id : named) {
+      Item& it = items[i].emplace_back();
+      it.id = id;
+      *req.add_items() = DecodeItem(id, 0, 2, &it.key, &it.q);
+    }
+    ASSERT_TRUE(stream->Write(req)) << i;
+  }
+  ASSERT_TRUE(stream->WritesDone());
+  for (int i = 0; i < kRequests; ++i) {
+    v1::BatchResponse answer;
+    ASSERT_TRUE(stream->Read(&answer)) << i;
+    ASSERT_EQ(answer.request_id(), static_cast<uint64_t>(500 + i));
+    ASSERT_EQ(answer.results_size(), static_cast<int>(items[i].size()));
+    for (size_t k = 0; k < items[i].size(); ++k) {
+      const Item& it = items[i][k];
+      const std::string where = absl::StrCat("request ", i, " item ", k, " (", it.id, ")");
+      ASSERT_TRUE(client::ItemStatus(answer.results(static_cast<int>(k))).ok()) << where;
+      absl::StatusOr<Selection> got = client::ParseSelection(answer.results(static_cast<int>(k)).result());
+      ASSERT_TRUE(got.ok()) << where;
+      Host(it.id).AppendAllLayers(it.key);
+      const int64_t len = Host(it.id).length(0);
+      EXPECT_EQ(static_cast<int64_t>(got->lengths[0]), len) << where;
+      ExpectSameSelection(*got, Host(it.id).Select(0, it.q, 2, len - 1, DefaultParams(), PageTable()),
+                          where);
+    }
+  }
+  v1::BatchResponse extra;
+  EXPECT_FALSE(stream->Read(&extra));
+  ASSERT_TRUE(stream->Finish().ok());
+}
+
 TEST_F(BatchTest, StreamStepsAndItemErrorsKeepTheStreamOpen) {
   ASSERT_NO_FATAL_FAILURE(AppendRandom("a", 0, 40));
   std::unique_ptr<client::BatchStream> stream = client_->OpenBatchStream();

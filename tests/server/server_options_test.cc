@@ -233,19 +233,19 @@ TEST(Help, PrintsTheProgramsSectionsNotBuildPaths) {
   for (absl::string_view line : absl::StrSplit(help, '\n')) EXPECT_LE(line.size(), 100u) << line;
 }
 
-TEST_F(OptionsTest, HandlerThreadsLeaveRoomForAFullBatch) {
+// Handler threads serve only the calls that may wait (appends and selections hold none), so the
+// default does not grow with the batch size.
+TEST_F(OptionsTest, HandlerThreadsDefaultToTheHardwareThreads) {
   ServerOptions o;
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   o.handler_threads = 7;
   EXPECT_EQ(HandlerThreads(o), 7);
   o.handler_threads = 0;
-  EXPECT_EQ(HandlerThreads(o), std::max({64, 4 * hw, 256}));
+  EXPECT_EQ(HandlerThreads(o), std::max(4, hw));
   o.engine.batching.max_tasks = 1000;
-  EXPECT_EQ(HandlerThreads(o), std::max(1000, 4 * hw));
-  o.engine.batching.max_tasks = 1 << 20;
-  EXPECT_EQ(HandlerThreads(o), 4096);
+  EXPECT_EQ(HandlerThreads(o), std::max(4, hw));
   o.engine.batching.enabled = false;
-  EXPECT_EQ(HandlerThreads(o), std::max(4, 2 * hw));
+  EXPECT_EQ(HandlerThreads(o), std::max(4, hw));
 }
 
 TEST_F(OptionsTest, DevicesFlags) {

@@ -70,6 +70,7 @@ void BatchCall::RunWaves() {
       break;
     }
     absl::flat_hash_set<std::pair<absl::string_view, absl::string_view>> ids;
+    ids.reserve(ready_.size() - next_);
     size_t end = next_;
     while (end < ready_.size() && ids.insert({ready_[end]->tenant, ready_[end]->sequence_id}).second) {
       ++end;

@@ -95,12 +95,9 @@ absl::Status CheckId(absl::string_view id, absl::string_view field) {
   return absl::OkStatus();
 }
 
-absl::Status CheckRange(absl::string_view field, int64_t value, int64_t lo, int64_t hi) {
-  if (value < lo || value > hi) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " is ", value, "; it must be in [", lo, ", ", hi, "]"));
-  }
-  return absl::OkStatus();
+absl::Status RangeError(absl::string_view field, int64_t value, int64_t lo, int64_t hi) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " is ", value, "; it must be in [", lo, ", ", hi, "]"));
 }
 
 absl::Status PrepareStep(const EngineConfig& config, const StepRequest& r, PreparedStep* out) {

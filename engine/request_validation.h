@@ -24,7 +24,13 @@ namespace indexer::engine {
 inline constexpr size_t kMaxIdBytes = 256;
 
 absl::Status CheckId(absl::string_view id, absl::string_view field);
-absl::Status CheckRange(absl::string_view field, int64_t value, int64_t lo, int64_t hi);
+// INVALID_ARGUMENT "<field> is <value>; it must be in [lo, hi]".
+absl::Status RangeError(absl::string_view field, int64_t value, int64_t lo, int64_t hi);
+// OK when lo <= value <= hi, else RangeError. Inline: every item of every call checks several.
+inline absl::Status CheckRange(absl::string_view field, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi) [[unlikely]] return RangeError(field, value, lo, hi);
+  return absl::OkStatus();
+}
 
 // An append whose request passed every check. `keys` and `attn` view the request's memory.
 struct PreparedAppend {

@@ -68,11 +68,15 @@ class OutputSink {
  public:
   virtual ~OutputSink() = default;
   virtual SelectOutputs Allocate(size_t item, const SelectShape& shape) = 0;
+  // The item's lengths after its append (per layer), once, when the item applies (it may still
+  // be rolled back and fail). A sink that keeps them returns true, and StepResult::lengths stays
+  // empty; the default leaves them to StepResult.
+  virtual bool KeepLengths(size_t /*item*/, std::span<const int64_t> /*lengths*/) { return false; }
 };
 
 struct StepResult {
   bool created = false;        // the append created the sequence
-  std::vector<int64_t> lengths;  // per layer, after the append
+  std::vector<int64_t> lengths;  // per layer, after the append (unless an OutputSink kept them)
   int64_t num_blocks = 0;
   // The selection, when the step had queries.
   int num_tokens = 0;

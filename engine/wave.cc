@@ -155,7 +155,9 @@ void Wave::Apply(Step& s) {
   Sequence& seq = *s.seq;
   StepResult result;
   result.created = s.created;
-  result.lengths.assign(seq.lengths.begin(), seq.lengths.end());
+  if (call_.sink == nullptr || !call_.sink->KeepLengths(r.index, seq.lengths)) {
+    result.lengths.assign(seq.lengths.begin(), seq.lengths.end());
+  }
   result.num_blocks = static_cast<int64_t>(seq.pages.size());
   call_.results[r.index] = std::move(result);
   if (r.has_select) PrepareSelect(s);
@@ -199,18 +201,24 @@ absl::Status Wave::ApplyAppend(Step& s) {
       }
     }
   }
-  absl::StatusOr<std::vector<int32_t>> got = core_.pool.Allocate(
-      fresh + static_cast<int64_t>(cow_blocks.size()), seq.tenant, true, seq.device);
-  if (!got.ok()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("append to sequence '", seq.id, "': ", got.status().message()));
+  // Most decode steps open no block and share no page: they take nothing from the pool.
+  const int64_t wanted = fresh + static_cast<int64_t>(cow_blocks.size());
+  std::vector<int32_t> got;
+  if (wanted > 0) {
+    absl::StatusOr<std::vector<int32_t>> allocated =
+        core_.pool.Allocate(wanted, seq.tenant, true, seq.device);
+    if (!allocated.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("append to sequence '", seq.id, "': ", allocated.status().message()));
+    }
+    got = *std::move(allocated);
   }
   // Until the commit below, everything written lands in pages only this call holds or in
   // positions past the sequence's lengths, so a failure leaves the sequence as it was.
   for (size_t i = 0; i < cow_blocks.size(); ++i) {
-    const absl::Status copied = core_.BackendOf(seq).CopyPage(seq.pages[cow_blocks[i]], (*got)[i]);
+    const absl::Status copied = core_.BackendOf(seq).CopyPage(seq.pages[cow_blocks[i]], got[i]);
     if (!copied.ok()) {
-      core_.pool.Release(*got);
+      core_.pool.Release(got);
       return copied;
     }
   }
@@ -224,9 +232,9 @@ absl::Status Wave::ApplyAppend(Step& s) {
   seq.pages.resize(needed);
   for (size_t i = 0; i < cow_blocks.size(); ++i) {
     undo.replaced.emplace_back(cow_blocks[i], seq.pages[cow_blocks[i]]);
-    seq.pages[cow_blocks[i]] = (*got)[i];
+    seq.pages[cow_blocks[i]] = got[i];
   }
-  for (int64_t j = 0; j < fresh; ++j) seq.pages[old_blocks + j] = (*got)[cow_blocks.size() + j];
+  for (int64_t j = 0; j < fresh; ++j) seq.pages[old_blocks + j] = got[cow_blocks.size() + j];
   seq.lengths.assign(lengths.begin(), lengths.end());
   if (!seq.attn_decided) {
     seq.attn_decided = true;
@@ -297,7 +305,11 @@ void Wave::Submit() {
       const int64_t cost = s->selects ? s->task.Scores() : 0;
       if (open < 0 || (scores > 0 && scores + cost > core_.config.max_select_scores)) {
         open = static_cast<int>(chunks_.size());
-        chunks_.emplace_back().device = static_cast<int>(d);
+        Chunk& fresh = chunks_.emplace_back();
+        fresh.device = static_cast<int>(d);
+        fresh.steps.reserve(live_.size());
+        fresh.writes.reserve(live_.size());
+        fresh.selects.reserve(live_.size());
         scores = 0;
       }
       Chunk& c = chunks_[open];

@@ -62,19 +62,20 @@ engine::CallControl ControlOf(grpc::CallbackServerContext* ctx) {
 }
 
 template <typename Repeated>
-void PutLengths(const std::vector<int64_t>& lengths, Repeated* out) {
+void PutLengths(std::span<const int64_t> lengths, Repeated* out) {
+  out->Clear();
   out->Reserve(static_cast<int>(lengths.size()));
   for (int64_t l : lengths) out->Add(static_cast<uint32_t>(l));
 }
 
-// Everything of a selection's answer but its outputs (which the engine wrote in place).
+// Everything of a selection's answer but its outputs and lengths (which the engine wrote in
+// place, StepCall being its OutputSink).
 void PutSelection(const engine::StepResult& r, int pages_per_block, v1::SelectBlocksResponse* out) {
   out->set_num_tokens(r.num_tokens);
   out->set_num_heads(r.num_heads);
   out->set_topk(r.topk);
   out->set_start_position(r.start_position);
   if (r.has_page_table) out->set_pages_per_block(pages_per_block);
-  PutLengths(r.lengths, out->mutable_lengths());
 }
 
 void LogFailure(const char* rpc, const absl::Status& s) {
@@ -197,6 +198,15 @@ v1::SelectBlocksResponse* StepCall::ResultOf(size_t item) {
              : select_response_;
 }
 
+bool StepCall::KeepLengths(size_t item, std::span<const int64_t> lengths) {
+  if (append_response_ != nullptr) {
+    PutLengths(lengths, append_response_->mutable_lengths());
+  } else {
+    PutLengths(lengths, ResultOf(item)->mutable_lengths());
+  }
+  return true;
+}
+
 engine::SelectOutputs StepCall::Allocate(size_t item, const engine::SelectShape& shape) {
   v1::SelectBlocksResponse* r = ResultOf(item);
   return engine::SelectOutputs{Int32s(r->mutable_block_ids(), shape.block_ids),
@@ -219,7 +229,6 @@ grpc::Status StepCall::Answer(std::vector<absl::StatusOr<engine::StepResult>>& r
       const absl::StatusOr<engine::StepResult>& r = results[0];
       LogFailure("AppendKeys", r.status());
       if (!r.ok()) return ToGrpcStatus(r.status());
-      PutLengths(r->lengths, append_response_->mutable_lengths());
       append_response_->set_num_blocks(static_cast<uint32_t>(r->num_blocks));
       append_response_->set_created(r->created);
       SerializeMessage(*append_response_, answer_);

@@ -60,8 +60,10 @@ class StepCall final : public engine::OutputSink {
   static void RecordRefused(ServiceMetrics* metrics, StepRpc rpc, const grpc::Status& status,
                             absl::Time arrived);
 
-  // engine::OutputSink: item `item`'s outputs go into its answer's bytes fields.
+  // engine::OutputSink: item `item`'s outputs go into its answer's bytes fields, its lengths
+  // into the answer's lengths.
   engine::SelectOutputs Allocate(size_t item, const engine::SelectShape& shape) override;
+  bool KeepLengths(size_t item, std::span<const int64_t> lengths) override;
 
  private:
   StepCall(StepRpc rpc, engine::Engine* engine, ServiceMetrics* metrics,

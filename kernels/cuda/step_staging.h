@@ -94,6 +94,7 @@ class StepStaging {
  private:
   struct WritePlace {
     int64_t keys = 0, table = 0, starts = 0, blocks = 0, key_bytes = 0;
+    int64_t first_block = 0;  // the staged table and starts are relative to it
   };
   struct SpanPlace {
     int64_t table = 0, attn = 0, queries = 0, ids = 0, page_table = 0, context_lens = 0;

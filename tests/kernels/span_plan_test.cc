@@ -4,11 +4,14 @@
 // without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
 
 #include "kernels/cuda/span_plan.h"
+#include "kernels/numeric.h"
 
 namespace indexer::testing {
 namespace {
@@ -111,3 +114,42 @@ TEST(DecodeIndexTest, ArraysMatchThePlannedSpans) {
 
 }  // namespace
 }  // namespace indexer::testing
+
+namespace indexer::kernels::cuda {
+namespace {
+
+// ScanBf16 (on the bits) against its definition on the floats: the largest |value|, and whether
+// every value is zero or has a magnitude in [2^-14, 65504] (exact in f16), over every finite bf16
+// value and over random runs of them.
+TEST(ScanBf16Test, AgreesWithTheDefinitionOnEveryFiniteValue) {
+  const auto definition = [](const uint16_t* v, int64_t n) {
+    Bf16Range r;
+    for (int64_t i = 0; i < n; ++i) {
+      const float a = std::fabs(Bf16ToFloat(v[i]));
+      r.max_abs = std::max(r.max_abs, a);
+      if (a != 0.0f && (a < 0x1p-14f || a > 65504.0f)) r.fits_f16 = false;
+    }
+    return r;
+  };
+  std::vector<uint16_t> finite;
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    if (Bf16IsFinite(static_cast<uint16_t>(b))) finite.push_back(static_cast<uint16_t>(b));
+  }
+  for (uint16_t b : finite) {
+    const Bf16Range got = ScanBf16(&b, 1), want = definition(&b, 1);
+    ASSERT_EQ(got.max_abs, want.max_abs) << b;
+    ASSERT_EQ(got.fits_f16, want.fits_f16) << b;
+  }
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<uint16_t> v(1 + rng() % 300);
+    for (uint16_t& x : v) x = finite[rng() % finite.size()];
+    const Bf16Range got = ScanBf16(v.data(), static_cast<int64_t>(v.size()));
+    const Bf16Range want = definition(v.data(), static_cast<int64_t>(v.size()));
+    ASSERT_EQ(got.max_abs, want.max_abs) << trial;
+    ASSERT_EQ(got.fits_f16, want.fits_f16) << trial;
+  }
+}
+
+}  // namespace
+}  // namespace indexer::kernels::cuda

@@ -69,11 +69,15 @@ void BatchCall::RunWaves() {
       for (size_t i = next_; i < ready_.size(); ++i) results_[ready_[i]->index] = late;
       break;
     }
-    absl::flat_hash_set<std::pair<absl::string_view, absl::string_view>> ids;
-    ids.reserve(ready_.size() - next_);
-    size_t end = next_;
-    while (end < ready_.size() && ids.insert({ready_[end]->tenant, ready_[end]->sequence_id}).second) {
-      ++end;
+    size_t end = next_ + 1;  // a lone item is a wave of its own
+    if (ready_.size() - next_ > 1) {
+      absl::flat_hash_set<std::pair<absl::string_view, absl::string_view>> ids;
+      ids.reserve(ready_.size() - next_);
+      end = next_;
+      while (end < ready_.size() &&
+             ids.insert({ready_[end]->tenant, ready_[end]->sequence_id}).second) {
+        ++end;
+      }
     }
     const std::span<PreparedStep* const> steps(ready_.data() + next_, end - next_);
     next_ = end;

@@ -50,12 +50,14 @@ struct BackendStep {
 };
 
 // Where a step's time went, for the server's breakdown (zero where a backend does not tell):
-// the group's wait in the SelectBatcher's queue (filled by the batcher), staging on the host
-// until the device had the step, the device's work until its completion was seen, and the
-// results' scatter into the callers' outputs.
+// the group's wait in the SelectBatcher's queue (filled by the batcher), staging on the host,
+// handing the step to the device (describing and enqueueing its copies and kernels), the
+// device's work until its completion was seen, and the results' scatter into the callers'
+// outputs.
 struct StepTiming {
   absl::Duration queue;
   absl::Duration stage;
+  absl::Duration launch;
   absl::Duration device;
   absl::Duration scatter;
 };

@@ -346,6 +346,7 @@ void Wave::Complete() {
   for (Chunk& c : chunks_) {
     KeepSlowest(slowest.queue, c.status.timing.queue);
     KeepSlowest(slowest.stage, c.status.timing.stage);
+    KeepSlowest(slowest.launch, c.status.timing.launch);
     KeepSlowest(slowest.device, c.status.timing.device);
     KeepSlowest(slowest.scatter, c.status.timing.scatter);
     for (Step* s : c.steps) {
@@ -363,6 +364,7 @@ void Wave::Complete() {
   Unlock();
   call_.phases.queue += slowest.queue;
   call_.phases.stage += slowest.stage;
+  call_.phases.launch += slowest.launch;
   call_.phases.device += slowest.device;
   call_.phases.scatter += slowest.scatter;
   call_.phases.complete += absl::Now() - start;

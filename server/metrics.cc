@@ -28,9 +28,12 @@ prometheus::Histogram::BucketBoundaries PhaseBuckets() {
 }
 
 // The phases of indexer_step_phase_seconds, in the order ServiceMetrics::phase_ holds them.
-constexpr const char* kPhaseNames[] = {"parse", "validate", "lock",    "apply",   "queue",
-                                       "stage", "device",   "scatter", "complete", "respond"};
-enum Phase { kParse, kValidate, kLock, kApply, kQueue, kStage, kDevice, kScatter, kComplete, kRespond };
+constexpr const char* kPhaseNames[] = {"parse",  "validate", "lock",    "apply",
+                                       "queue",  "stage",    "launch",  "device",
+                                       "scatter", "complete", "respond"};
+enum Phase {
+  kParse, kValidate, kLock, kApply, kQueue, kStage, kLaunch, kDevice, kScatter, kComplete, kRespond
+};
 
 // Counts from 1 to 4096, doubling.
 prometheus::Histogram::BucketBoundaries CountBuckets() {
@@ -209,7 +212,8 @@ ServiceMetrics::ServiceMetrics(const engine::Engine* engine, std::string device)
                   .Help("Where append-and-select calls spend their time, by phase: parse (request "
                         "bytes to messages), validate, lock (the sequences, waits included), "
                         "apply (appends and staging for the batcher), queue (the select queue), "
-                        "stage (the backend's staging), device (until the device's completion is "
+                        "stage (the backend's staging), launch (copies and kernels handed to the "
+                        "device), device (until the device's completion is "
                         "seen), scatter (results to the answer), complete (commit or roll back), "
                         "respond (the answer built and serialized).")
                   .Register(*registry_)) {
@@ -228,6 +232,7 @@ void ServiceMetrics::OnCallPhases(const engine::CallPhases& p) {
   observe(kApply, p.apply);
   observe(kQueue, p.queue);
   observe(kStage, p.stage);
+  observe(kLaunch, p.launch);
   observe(kDevice, p.device);
   observe(kScatter, p.scatter);
   observe(kComplete, p.complete);

@@ -133,7 +133,7 @@ class CudaBackend final : public KeyCacheBackend {
   // on the completion thread, scatter the outputs and end the step.
   absl::Status Stage(Lane& lane, const BackendStep& step, const kernels::PageTableParams& page_table);
   absl::Status Enqueue(Lane& lane, bool* enqueued);
-  void Finish(Lane& lane, absl::Status synced, absl::Time staged, absl::Time launched,
+  void Finish(Lane& lane, absl::Status synced, StepTiming timing, absl::Time launched,
               StepDone done);
   // Writes the `n` global page ids at `ids` to `dst` as this pool's page indices; INTERNAL
   // (naming the id) at the first one outside the slot.
@@ -372,6 +372,7 @@ void CudaBackend::Run(const BackendStep& step, const kernels::PageTableParams& p
   absl::Status status = EnterDevice();
   bool enqueued = false;
   if (status.ok()) status = Stage(*lane, step, page_table);
+  const absl::Time staged = absl::Now();
   if (status.ok()) status = Enqueue(*lane, &enqueued);
   const absl::Time launched = absl::Now();
   if (!status.ok()) {
@@ -382,8 +383,10 @@ void CudaBackend::Run(const BackendStep& step, const kernels::PageTableParams& p
     std::move(done)(StepStatus{status, status, {}});
     return;
   }
-  lane->Complete([this, lane, start, launched, done = std::move(done)](absl::Status synced) mutable {
-    Finish(*lane, std::move(synced), start, launched, std::move(done));
+  const StepTiming timing{absl::ZeroDuration(), staged - start, launched - staged,
+                          absl::ZeroDuration(), absl::ZeroDuration()};
+  lane->Complete([this, lane, timing, launched, done = std::move(done)](absl::Status synced) mutable {
+    Finish(*lane, std::move(synced), timing, launched, std::move(done));
   });
 }
 
@@ -480,7 +483,7 @@ absl::Status CudaBackend::Enqueue(Lane& lane, bool* enqueued) {
   return absl::OkStatus();
 }
 
-void CudaBackend::Finish(Lane& lane, absl::Status synced, absl::Time staged, absl::Time launched,
+void CudaBackend::Finish(Lane& lane, absl::Status synced, StepTiming timing, absl::Time launched,
                          StepDone done) {
   const absl::Time seen = absl::Now();
   if (synced.ok()) {
@@ -491,7 +494,7 @@ void CudaBackend::Finish(Lane& lane, absl::Status synced, absl::Time staged, abs
   StepStatus status;
   status.writes = Latched(std::move(synced));
   status.selects = status.writes;
-  status.timing.stage = launched - staged;
+  status.timing = timing;
   status.timing.device = seen - launched;
   status.timing.scatter = absl::Now() - seen;
   std::move(done)(std::move(status));

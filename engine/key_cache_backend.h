@@ -19,6 +19,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
@@ -50,7 +51,8 @@ struct BackendStep {
 };
 
 // Where a step's time went, for the server's breakdown (zero where a backend does not tell):
-// the group's wait in the SelectBatcher's queue (filled by the batcher), staging on the host,
+// waiting for the device (the group's wait in the SelectBatcher's queue, which the batcher adds,
+// and any wait of the backend's own for a stream or lane), staging on the host,
 // handing the step to the device (describing and enqueueing its copies and kernels), the
 // device's work until its completion was seen, and the results' scatter into the callers'
 // outputs.
@@ -72,6 +74,15 @@ struct StepStatus {
   bool ok() const { return writes.ok() && selects.ok(); }
 };
 
+// A count a backend keeps of its own work, for the server's metrics: exported per device as
+// indexer_backend_<name>, a counter when `monotonic` (the name then ends in _total), else a gauge.
+struct BackendCounter {
+  std::string name;
+  std::string help;
+  int64_t value = 0;
+  bool monotonic = true;
+};
+
 // Called exactly once when a step has ended.
 using StepDone = absl::AnyInvocable<void(StepStatus) &&>;
 
@@ -89,6 +100,9 @@ class KeyCacheBackend {
   // backend's life. Cheap (no device access) and callable from any thread at any time; the
   // engine reports it per device (Engine::Health, DeviceStats::health). The default: always OK.
   virtual absl::Status Health() const { return absl::OkStatus(); }
+  // The backend's own counts (BackendCounter), the same names in the same order on every call;
+  // callable from any thread. The default: none.
+  virtual std::vector<BackendCounter> Counters() const { return {}; }
 
   // Runs `step` and calls `done` once its writes are stored (visible to every later call, on any
   // thread) and its selections' outputs are written, or once it failed. `done` runs on any

@@ -17,7 +17,7 @@ int64_t Scores(std::span<const SelectTask> tasks) {
   return scores;
 }
 
-StepStatus Both(const absl::Status& status) { return StepStatus{status, status}; }
+StepStatus Both(const absl::Status& status) { return StepStatus{status, status, {}}; }
 
 }  // namespace
 
@@ -247,7 +247,7 @@ void SelectBatcher::Finish(Launch* raw, StepStatus status) {
   if (next != nullptr) Start(std::move(next), /*checked=*/false);
   for (Group& g : launch->groups) {
     StepStatus own = status;
-    own.timing.queue = g.waited;
+    own.timing.queue += g.waited;
     std::move(g.done)(std::move(own));
   }
 }

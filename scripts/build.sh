@@ -9,5 +9,7 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 generator=()
 command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
-[ -f "$build/CMakeCache.txt" ] || cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release "$@"
+# INDEXER_WERROR=ON (CI) makes compiler warnings errors.
+[ -f "$build/CMakeCache.txt" ] || cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DINDEXER_WERROR="${INDEXER_WERROR:-OFF}" "$@"
 cmake --build "$build" --parallel "$(nproc)"

@@ -8,7 +8,12 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build-gpu}
 # sm_90a code only (no PTX): the bundle runs on the H200 and must stay small.
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a-real >/dev/null
+launcher=()
+if command -v ccache >/dev/null 2>&1; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a-real \
+  "${launcher[@]}" >/dev/null
 cmake --build "$build" --target gpu_select_test cuda_backend_test indexer-kernel-bench indexer-stream-probe indexer-server \
   indexer-cli indexer-bench indexer-echo-server fuzz_corpus_test
 rm -rf "$root/.device/bundle" "$root/.device/bench"

@@ -107,12 +107,16 @@ def parse_args(argv):
     p.add_argument("--warmup", type=float, default=None,
                    help="warm-up seconds per case (default 1, quick 0.3)")
     p.add_argument("--capacity", default=None,
-                   help="the server's --capacity (default 8GiB on cuda, 1GiB on cpu)")
+                   help="the server's --capacity (default: what the largest selected case "
+                        "holds, with a quarter more; at least 8GiB on cuda, 1GiB on cpu)")
     p.add_argument("--multigpu-callers", type=int, default=32,
                    help="concurrent callers of the multigpu cases (default 32; each holds 16 "
                         "sequences of 128K tokens, 512 MiB of bf16 keys)")
     p.add_argument("--multigpu-connections", type=int, default=None,
                    help="HTTP/2 connections the multigpu callers share (default: one per 4 callers)")
+    p.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
+                   help="an extra flag for every indexer-server started, e.g. "
+                        "--server-flag=--batch_max_tasks=64 (repeatable)")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
     return p.parse_args(argv)
 
@@ -343,6 +347,21 @@ def server_flags(binary):
     return set(re.findall(r"--(\w+)", out.stdout + out.stderr))
 
 
+def default_capacity(cases, device):
+    """The server's --capacity when none is given: what the largest case holds at once (every
+    caller's sequences at their prefill length plus the rewind window, in whole 128-token pages
+    of bf16 keys of head_dim 128, one layer), with a quarter more, and at least 8GiB on cuda
+    (1GiB on cpu). A pool too small for a case would refuse prefills inside the measured window,
+    and the case would measure the retries."""
+    floor_gib = 8 if device == "cuda" else 1
+    need = 0
+    for c in cases:
+        pages = -(-(c["prefill"] + REWIND + 1) // 128)
+        need = max(need, c["concurrency"] * c["batch"] * pages * 128 * 128 * 2)
+    gib = max(floor_gib, -(-need * 5 // 4 // (1 << 30)))
+    return "%dGiB" % gib
+
+
 def indexer_argv(bins, args, flags, batching=None, devices=None, handler_threads=None):
     argv = [bins["indexer-server"], "--device=%s" % args.device, "--capacity=%s" % args.capacity,
             "--layers=1", "--head_dim=128", "--drain_seconds=2", "--not_serving_seconds=0"]
@@ -352,7 +371,7 @@ def indexer_argv(bins, args, flags, batching=None, devices=None, handler_threads
         argv.append("--batching=%s" % ("true" if batching else "false"))
     if devices is not None:
         argv.append("--devices=%s" % devices)
-    return argv
+    return argv + list(args.server_flag)
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,7 +437,8 @@ def run_case(case, target, bins, args, work_dir, reports):
                    server_rpc_us={rpc: v["mean_us"] for rpc, v in ss.get("requests", {}).items()},
                    phases_available=bool(ss.get("phases_available")),
                    phases_us={phase: v["us_per_request"]
-                              for phase, v in (ss.get("phases") or {}).items()})
+                              for phase, v in (ss.get("phases") or {}).items()},
+                   backend_counts=dict(ss.get("backend_counts") or {}))
     else:
         row["kernel_note"] = ss.get("note", "")
     return row
@@ -549,7 +569,24 @@ def breakdown_table(rows):
         if phases:
             cells.append(fmt(sum(got.values())))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n" + note
+    return "\n".join(lines) + "\n" + note + backend_counts_table(measured)
+
+
+def backend_counts_table(measured):
+    """The backends' own counters over each case's measured window (indexer_backend_*_total:
+    steps, graph launches and builds, buffer growths), where the server exports them."""
+    names = sorted({n for r in measured for n in r.get("backend_counts", {})})
+    if not names:
+        return ""
+    head = ["case", "requests"] + names
+    lines = ["", "The backend's own counts over each measured window:", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in measured:
+        got = r.get("backend_counts", {})
+        cells = [r["case"], str(r.get("requests", "-"))] + [
+            "%d" % got[n] if n in got else "0" for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def table(rows):
@@ -584,8 +621,6 @@ def main(argv):
     else:
         args.duration = 4.0 if args.duration is None else args.duration
         args.warmup = 1.0 if args.warmup is None else args.warmup
-    if args.capacity is None:
-        args.capacity = "8GiB" if args.device == "cuda" else "1GiB"
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if args.multigpu_callers < 1:
         die("--multigpu-callers must be at least 1")
@@ -594,9 +629,12 @@ def main(argv):
     cases = select_cases(all_cases(args.quick, args.multigpu_callers, args.multigpu_connections,
                                    args.device),
                          args.cases, len(devices) >= 2)
+    if args.capacity is None:
+        args.capacity = default_capacity(cases, args.device)
     if args.list:
         for c in cases:
             print("%-34s %-10s %s" % (c["name"], c["group"], c["what"]))
+        print("server --capacity=%s" % args.capacity)
         return 0
 
     bin_dir = args.bin or next((d for d in (os.path.join(root, ".device/bundle"),

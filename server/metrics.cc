@@ -120,6 +120,7 @@ class ServiceMetrics::EngineGauges final : public prometheus::Collectable {
         std::move(live),
     };
     for (prometheus::MetricFamily& f : PoolBytes(s, per_device)) out.push_back(std::move(f));
+    for (prometheus::MetricFamily& f : BackendCounters()) out.push_back(std::move(f));
     return out;
   }
 
@@ -142,6 +143,35 @@ class ServiceMetrics::EngineGauges final : public prometheus::Collectable {
                      return (d.total_pages - d.free_pages) * page;
                    }),
     };
+  }
+
+  // Each device's KeyCacheBackend::Counters, one family per name (every device's backend is of
+  // one kind, so the names agree).
+  std::vector<prometheus::MetricFamily> BackendCounters() const {
+    std::vector<prometheus::MetricFamily> out;
+    for (int d = 0; d < engine_->num_devices(); ++d) {
+      const std::vector<engine::BackendCounter> counters = engine_->backend(d).Counters();
+      if (out.empty()) {
+        for (const engine::BackendCounter& c : counters) {
+          prometheus::MetricFamily f;
+          f.name = absl::StrCat("indexer_backend_", c.name);
+          f.help = c.help;
+          f.type = c.monotonic ? prometheus::MetricType::Counter : prometheus::MetricType::Gauge;
+          out.push_back(std::move(f));
+        }
+      }
+      for (size_t i = 0; i < counters.size() && i < out.size(); ++i) {
+        prometheus::ClientMetric m;
+        if (counters[i].monotonic) {
+          m.counter.value = static_cast<double>(counters[i].value);
+        } else {
+          m.gauge.value = static_cast<double>(counters[i].value);
+        }
+        m.label.push_back({"device", Label(d)});
+        out[i].metric.push_back(std::move(m));
+      }
+    }
+    return out;
   }
 
   const engine::Engine* engine_;

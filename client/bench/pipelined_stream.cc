@@ -5,27 +5,9 @@
 #include "absl/strings/str_cat.h"
 
 namespace indexer::bench {
-namespace {
 
-// Item indices of a batch grouped by owning server.
-std::vector<std::vector<int>> SplitByServer(const client::ShardedClient& client,
-                                            const v1::BatchRequest& request) {
-  std::vector<std::vector<int>> parts(client.size());
-  for (int i = 0; i < request.items_size(); ++i) {
-    parts[client.ServerIndex(client::ItemSequenceId(request.items(i)))].push_back(i);
-  }
-  return parts;
-}
-
-v1::BatchRequest SubRequest(const v1::BatchRequest& request, const std::vector<int>& items) {
-  v1::BatchRequest sub;
-  sub.set_request_id(request.request_id());
-  sub.mutable_items()->Reserve(static_cast<int>(items.size()));
-  for (int i : items) *sub.add_items() = request.items(i);
-  return sub;
-}
-
-}  // namespace
+using client::SplitByServer;
+using client::SubRequest;
 
 PipelinedStream::PipelinedStream(client::ShardedClient& client)
     : client_(client), lanes_(client.size()) {}

@@ -78,6 +78,9 @@ void ServerStatsObject(JsonWriter& j, const StageResult& r) {
     j.EndObject();
   }
   j.EndObject();
+  j.Key("backend_counts").BeginObject(true);
+  for (const auto& [name, v] : d.backend_counts) j.Field(name, v);
+  j.EndObject();
   j.EndObject();
 }
 

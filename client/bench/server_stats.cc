@@ -1,5 +1,7 @@
 #include "client/bench/server_stats.h"
 
+#include <string_view>
+
 #include "absl/strings/str_cat.h"
 #include "client/cpp/sharded_client.h"
 #include "indexer/v1/indexer.pb.h"
@@ -55,6 +57,20 @@ std::map<std::string, HistogramTotals> MinusEach(
   return out;
 }
 
+// later - earlier per key, keeping only keys that moved in the window.
+std::map<std::string, double> MinusEach(const std::map<std::string, double>& later,
+                                        const std::map<std::string, double>& earlier) {
+  std::map<std::string, double> out;
+  for (const auto& [key, v] : later) {
+    const auto before = earlier.find(key);
+    const double d = before == earlier.end() ? v : v - before->second;
+    if (d != 0) out[key] = d;
+  }
+  return out;
+}
+
+constexpr std::string_view kBackendPrefix = "indexer_backend_";
+
 }  // namespace
 
 ServerCounters CountersFromStats(const v1::GetStatsResponse& stats) {
@@ -78,6 +94,9 @@ ServerCounters CountersFromStats(const v1::GetStatsResponse& stats) {
     } else if (f.name() == "indexer_step_phase_seconds") {
       c.has_phases = true;
       AddByLabel(f, "phase", "", &c.phases);
+    } else if (f.type() == "counter" && f.name().starts_with(kBackendPrefix)) {
+      double& total = c.backend_counts[f.name().substr(kBackendPrefix.size())];
+      for (const v1::Metric& m : f.metrics()) total += m.value();
     }
   }
   return c;
@@ -95,6 +114,7 @@ ServerCounters Sum(const ServerCounters& a, const ServerCounters& b) {
   PlusEach(b.request_seconds, &c.request_seconds);
   c.has_phases = a.has_phases || b.has_phases;
   PlusEach(b.phases, &c.phases);
+  for (const auto& [name, v] : b.backend_counts) c.backend_counts[name] += v;
   return c;
 }
 
@@ -108,6 +128,7 @@ ServerCounters Difference(const ServerCounters& later, const ServerCounters& ear
   c.batch_queue_seconds = Minus(later.batch_queue_seconds, earlier.batch_queue_seconds);
   c.request_seconds = MinusEach(later.request_seconds, earlier.request_seconds);
   c.phases = MinusEach(later.phases, earlier.phases);
+  c.backend_counts = MinusEach(later.backend_counts, earlier.backend_counts);
   return c;
 }
 

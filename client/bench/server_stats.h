@@ -49,6 +49,9 @@ struct ServerCounters {
   // read as it comes). has_phases: the servers export the family at all.
   bool has_phases = false;
   std::map<std::string, HistogramTotals> phases;
+  // The backends' own counters (indexer_backend_*_total, every device summed) by name without
+  // the prefix: steps, graph builds, buffer growths, ...
+  std::map<std::string, double> backend_counts;
 };
 
 // The figures of one GetStats answer (families it lacks stay zero).

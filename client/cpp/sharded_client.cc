@@ -7,9 +7,7 @@
 #include "absl/strings/str_cat.h"
 
 namespace indexer::client {
-namespace {
 
-// Item indices of a batch grouped by owning server.
 std::vector<std::vector<int>> SplitByServer(const ShardedClient& client,
                                             const v1::BatchRequest& request) {
   std::vector<std::vector<int>> parts(client.size());
@@ -26,6 +24,8 @@ v1::BatchRequest SubRequest(const v1::BatchRequest& request, const std::vector<i
   for (int i : items) *sub.add_items() = request.items(i);
   return sub;
 }
+
+namespace {
 
 // Copies one server's answer (or its failure) into the merged response.
 void MergePart(const std::vector<int>& items, absl::StatusOr<v1::BatchResponse> answer,

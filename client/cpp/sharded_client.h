@@ -43,6 +43,14 @@ struct ShardedClientOptions {
 absl::string_view ItemSequenceId(const v1::SelectBlocksRequest& item);
 
 class ShardedBatchStream;
+class ShardedClient;
+
+// A Batch's item indices grouped by the server that owns each item's sequence (one list per
+// server, in the items' order).
+std::vector<std::vector<int>> SplitByServer(const ShardedClient& client,
+                                            const v1::BatchRequest& request);
+// The Batch of `request`'s items at `items`, with its request_id.
+v1::BatchRequest SubRequest(const v1::BatchRequest& request, const std::vector<int>& items);
 
 class ShardedClient {
  public:

@@ -97,6 +97,7 @@ class CudaBackend final : public KeyCacheBackend {
   }
 
   CudaBackendCounters counters() const;
+  std::vector<BackendCounter> Counters() const override;
 
  private:
   static CudaBackendOptions Normalized(CudaBackendOptions o) {
@@ -276,6 +277,25 @@ CudaBackendCounters CudaBackend::counters() const {
   return c;
 }
 
+std::vector<BackendCounter> CudaBackend::Counters() const {
+  const CudaBackendCounters c = counters();
+  return {
+      {"lanes", "Selection lanes (streams with their own staging) of each device.", c.lanes, false},
+      {"lanes_peak_busy", "The most selection lanes held at once.", c.peak_busy_lanes, false},
+      {"steps_total", "Steps that ran kernels.", c.selects},
+      {"graph_launches_total", "Steps that reached the device as one CUDA graph launch.",
+       c.graph_launches},
+      {"graph_builds_total", "CUDA graphs instantiated (a step of a new kernel topology, or "
+       "after a staging buffer grew).", c.graph_builds},
+      {"graph_node_updates_total", "Node parameters of cached graphs set for a step.",
+       c.graph_node_updates},
+      {"graph_fallbacks_total", "Steps run without a graph after building or updating one "
+       "failed.", c.graph_fallbacks},
+      {"buffer_growths_total", "Lanes' staging or scratch buffers allocated anew (each drops "
+       "the lane's cached graphs).", c.buffer_growths},
+  };
+}
+
 absl::Status CudaBackend::CopyPageOnDevice(int32_t src, int32_t dst) {
   int64_t s = 0, t = 0;
   INDEXER_RETURN_IF_ERROR(ToLocal(src, &s, "page copy"));
@@ -369,6 +389,7 @@ void CudaBackend::Run(const BackendStep& step, const kernels::PageTableParams& p
   // The SelectBatcher runs at most MaxConcurrentSteps() steps at once, so a lane is free here
   // unless a synchronous transfer holds one for a moment.
   Lane* lane = lanes_.Acquire();
+  const absl::Time acquired = absl::Now();
   absl::Status status = EnterDevice();
   bool enqueued = false;
   if (status.ok()) status = Stage(*lane, step, page_table);
@@ -383,7 +404,8 @@ void CudaBackend::Run(const BackendStep& step, const kernels::PageTableParams& p
     std::move(done)(StepStatus{status, status, {}});
     return;
   }
-  const StepTiming timing{absl::ZeroDuration(), staged - start, launched - staged,
+  // A wait for a lane is a wait in the queue; the batcher adds its own queue time.
+  const StepTiming timing{acquired - start, staged - acquired, launched - staged,
                           absl::ZeroDuration(), absl::ZeroDuration()};
   lane->Complete([this, lane, timing, launched, done = std::move(done)](absl::Status synced) mutable {
     Finish(*lane, std::move(synced), timing, launched, std::move(done));

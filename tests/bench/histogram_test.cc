@@ -161,7 +161,9 @@ TEST(LatencyHistogramTest, DisplayBinsCoverEverySample) {
   for (size_t i = 0; i < bins.size(); ++i) {
     total += bins[i].count;
     EXPECT_LT(bins[i].low, bins[i].high);
-    if (i > 0) EXPECT_EQ(bins[i].low, bins[i - 1].high);
+    if (i > 0) {
+      EXPECT_EQ(bins[i].low, bins[i - 1].high);
+    }
   }
   EXPECT_EQ(total, h.count());
   EXPECT_LE(bins.front().low, h.min());

@@ -159,9 +159,15 @@ std::vector<NaiveRow> NaiveSelect(const NaiveSpan& s) {
   const auto describe = [&] {
     std::string s = " (pos " + std::to_string(ref.pos) + ", V " + std::to_string(visible) +
                     ", got [";
-    for (int j = 0; j < topk; ++j) s += (j ? " " : "") + std::to_string(got[j]);
+    for (int j = 0; j < topk; ++j) {
+      if (j > 0) s += ' ';
+      s += std::to_string(got[j]);
+    }
     s += "], naive [";
-    for (int j = 0; j < topk; ++j) s += (j ? " " : "") + std::to_string(ref.selected[j]);
+    for (int j = 0; j < topk; ++j) {
+      if (j > 0) s += ' ';
+      s += std::to_string(ref.selected[j]);
+    }
     return s + "])";
   };
   std::set<int32_t> chosen;

@@ -413,7 +413,9 @@ TEST(SnapshotWrite, SnapshotsTakenWhileCallsRunAreConsistent) {
       absl::StatusOr<engine::SequenceInfo> l = restored->Get("left", tenant);
       absl::StatusOr<engine::SequenceInfo> r = restored->Get("right", tenant);
       ASSERT_EQ(l.ok(), r.ok()) << "snapshot " << snap << " caught a Batch half applied";
-      if (l.ok()) EXPECT_EQ(l->lengths, r->lengths) << "snapshot " << snap;
+      if (l.ok()) {
+        EXPECT_EQ(l->lengths, r->lengths) << "snapshot " << snap;
+      }
     }
   }
   stop = true;

@@ -176,13 +176,15 @@ std::vector<std::pair<std::string, absl::Status>> CallEverything(client::Indexer
 }
 
 TEST_F(AuthTest, CallsWithoutAValidTokenAreUnauthenticatedAndApplyNothing) {
-  for (const std::string token : {std::string(), std::string("not-a-real-token-000000000"),
+  for (const std::string& token : {std::string(), std::string("not-a-real-token-000000000"),
                                   std::string(kAlphaToken) + "0"}) {
     auto c = ConnectTo(server_->port(), WithToken(token));
     for (const auto& [rpc, status] : CallEverything(*c)) {
       EXPECT_EQ(status.code(), absl::StatusCode::kUnauthenticated)
           << rpc << " with token '" << token << "': " << status;
-      if (!token.empty()) EXPECT_THAT(std::string(status.message()), ::testing::Not(HasSubstr(token)));
+      if (!token.empty()) {
+        EXPECT_THAT(std::string(status.message()), ::testing::Not(HasSubstr(token)));
+      }
     }
   }
   EXPECT_EQ(server_->engine().Stats().live_sequences, 0);

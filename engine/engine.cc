@@ -246,6 +246,8 @@ absl::StatusOr<SequenceInfo> Engine::Get(absl::string_view sequence_id,
   if (seq != nullptr) {
     std::lock_guard<SequenceMutex> lock(seq->mu);
     if (!seq->released) {
+      // Reading a sequence is using it: clients settle calls in doubt with Get.
+      seq->last_used_ns = SteadyNowNs();
       SequenceInfo info;
       info.device = seq->device;
       info.lengths = seq->lengths;

@@ -147,7 +147,8 @@ class Engine {
                                    absl::string_view tenant = kDefaultTenant) const;
 
   // Releases every sequence no call has named for at least `idle` (the idle-sequence TTL, for
-  // schedulers that died without releasing); returns how many.
+  // schedulers that died without releasing); returns how many. Every call that finds a sequence
+  // counts as naming it: appends and selections, Truncate, Fork (its source) and Get.
   int64_t ReclaimIdle(absl::Duration idle);
 
   // `observer` (may be null) sees every backend selection and the select queue from now on; it

@@ -583,6 +583,17 @@ TEST_F(EngineTest, SpansMustLieInsideTheLayersLength) {
   ExpectSelects("a", 0, 10);
 }
 
+// The idle TTL releases only sequences no call has named: reading one (Get) names it.
+TEST_F(EngineTest, GetKeepsASequenceFromTheIdleTtl) {
+  AppendOk("read", 0, 10);
+  AppendOk("idle", 0, 10);
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_TRUE(engine_->Get("read").ok());
+  EXPECT_EQ(engine_->ReclaimIdle(absl::Milliseconds(200)), 1);
+  EXPECT_TRUE(engine_->Get("read").ok()) << "reclaimed although just read";
+  EXPECT_EQ(engine_->Get("idle").status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(EngineTest, UnknownSequencesAreNotFound) {
   AppendOk("a", 0, 10);
   EXPECT_STATUS(SelectQueries(*engine_, "nope", Keys(1), {}).status(), kNotFound, "nope");

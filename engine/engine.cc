@@ -277,6 +277,10 @@ int64_t Engine::ReclaimIdle(absl::Duration idle) {
   return reclaimed;
 }
 
+void Engine::AbandonSelections() {
+  for (EngineDevice& d : core_->devices) d.backend->AbandonSelections();
+}
+
 EngineStats Engine::Stats() const {
   EngineStats s;
   s.live_sequences = static_cast<int64_t>(core_->sequences.size());

@@ -156,6 +156,10 @@ class Engine {
   void SetObserver(EngineObserver* observer);
 
   EngineStats Stats() const;
+  // For shutdown, once the drain time is up: every device's selections that run now or start
+  // later may stop early with CANCELLED (KeyCacheBackend::AbandonSelections), their steps rolled
+  // back, so that the last calls end at once and a snapshot can follow. For good.
+  void AbandonSelections();
   // OK while every device can serve calls; otherwise the Health() status of the first device
   // that cannot (UNAVAILABLE, naming it and its first fatal error). Once not OK it stays so
   // (a failed device never recovers in-process). Cheap: no device is touched. For health

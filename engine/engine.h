@@ -88,8 +88,10 @@ struct EngineStats {
 };
 
 struct TenantUsage {
-  int64_t pages = 0;       // pages charged to the tenant now
-  int64_t page_quota = 0;  // 0: no quota
+  int64_t pages = 0;          // pages charged to the tenant now
+  int64_t page_quota = 0;     // 0: no quota
+  int64_t sequences = 0;      // sequences the tenant holds now
+  int64_t max_sequences = 0;  // EngineConfig::tenant_max_sequences (0: no limit)
 };
 
 // What a snapshot held (written or restored).

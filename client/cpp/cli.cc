@@ -327,6 +327,14 @@ int Info(IndexerClient& client) {
   std::printf("live_sequences        %llu\n", static_cast<unsigned long long>(i.live_sequences()));
   std::printf("max_tokens_per_seq    %u\n", i.max_tokens_per_sequence());
   std::printf("max_message_bytes     %llu\n", static_cast<unsigned long long>(i.max_message_bytes()));
+  std::printf("max_query_tokens      %u\n", i.max_query_tokens());
+  std::printf("max_batch_items       %u\n", i.max_batch_items());
+  std::printf("max_sequences         %s\n",
+              i.max_sequences() == 0 ? "none" : absl::StrCat(i.max_sequences()).c_str());
+  std::printf("tenant sequences      %llu held, limit %s\n",
+              static_cast<unsigned long long>(i.tenant_sequences()),
+              i.tenant_max_sequences() == 0 ? "none"
+                                            : absl::StrCat(i.tenant_max_sequences()).c_str());
   if (!i.tenant().empty()) {
     std::printf("tenant                %s: %llu pages held, quota %s\n", i.tenant().c_str(),
                 static_cast<unsigned long long>(i.tenant_pages()),

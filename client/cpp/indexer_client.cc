@@ -174,18 +174,17 @@ size_t WireBytes(v1::ValueDtype dtype) {
   return 0;
 }
 
-// `bytes` must be whole rows of `row` values (`layout` names them), and `declared` of them
-// when given.
+// When a count is declared, `bytes` must be `declared` rows of `row` values (`layout` names
+// them). Without one there is nothing the server would not say better itself.
 absl::Status CheckRows(absl::string_view field, size_t bytes, size_t value_bytes, size_t row,
                        absl::string_view layout, bool has_declared, uint32_t declared) {
-  if (value_bytes == 0 || row == 0) return absl::OkStatus();
+  if (!has_declared || value_bytes == 0 || row == 0) return absl::OkStatus();
   const size_t values = bytes / value_bytes;
   const bool whole = bytes % value_bytes == 0 && values % row == 0;
-  if (whole && (!has_declared || values / row == declared)) return absl::OkStatus();
-  const std::string stated =
-      has_declared ? absl::StrCat(" and num_tokens says ", declared) : std::string();
+  if (whole && values / row == declared) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      field, " holds ", values, " values", stated, ", but the server's tokens are ", layout,
+      field, " holds ", values, " values and num_tokens says ", declared,
+      ", but the server's tokens are ", layout,
       " = ", row, " values each: ", field, " must hold num_tokens x ", row,
       " values (check the array's shape and the model's head_dim)"));
 }

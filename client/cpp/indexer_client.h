@@ -158,8 +158,9 @@ struct ServerShapes {
 ServerShapes ShapesOf(const v1::ServerInfoResponse& info);
 
 // INVALID_ARGUMENT, naming the field, the server's head_dim (and layers) and what to fix, when
-// a request's keys or queries are not whole tokens of the server's shape, or not the num_tokens
-// the request states. What the server would refuse, said before anything is sent.
+// a request states num_tokens and its keys or queries are not that many tokens of the server's
+// shape. What the server would refuse, said before anything is sent; requests that state no
+// count are left to the server's own checks.
 absl::Status CheckShapes(const ServerShapes& shapes, const v1::AppendKeysRequest& request);
 absl::Status CheckShapes(const ServerShapes& shapes, const v1::SelectBlocksRequest& request);
 absl::Status CheckShapes(const ServerShapes& shapes, const v1::BatchRequest& request);

@@ -606,7 +606,9 @@ TEST_F(EngineTest, AbandonedSelectionsFailCancelledAndApplyNothing) {
   s.num_heads = 1;
   s.query_dtype = WireDtype::kBf16;
   s.queries = q;
-  s.append = AppendRequest{"", 0, false, WireDtype::kBf16, k, {}};
+  s.append.emplace();
+  s.append->dtype = WireDtype::kBf16;
+  s.append->keys = k;
   EXPECT_EQ(engine_->Select(s).status().code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(engine_->Get("a")->lengths[0], 200);
   AppendOk("a", 0, 5);

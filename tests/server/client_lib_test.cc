@@ -108,8 +108,10 @@ TEST(ClientShapesTest, StatedTokensThatDoNotMatchTheServersShapeAreRefusedNaming
   const std::vector<float> rows(2 * 2 * 128, 1.0f);  // [2 tokens][layers 2][head_dim 128]
   EXPECT_TRUE(CheckShapes(server, MakeAppendAllLayers("w1", 2, rows)).ok());
   EXPECT_FALSE(CheckShapes(server, MakeAppendAllLayers("w1", 4, rows)).ok());
-  EXPECT_FALSE(CheckShapes(server, MakeAppendAllLayers("w1", std::vector<float>(300))).ok())
+  EXPECT_FALSE(CheckShapes(server, MakeAppendAllLayers("w1", 1, std::vector<float>(300))).ok())
       << "not whole tokens";
+  EXPECT_TRUE(CheckShapes(server, MakeAppendAllLayers("w1", std::vector<float>(300))).ok())
+      << "no count stated: the server's own checks say what is wrong";
 
   const std::vector<float> queries(2 * 4 * 64, 1.0f);  // [2][4 heads][64]
   const absl::Status select = CheckShapes(server, MakeSelect("w1", 0, 4, 2, queries));

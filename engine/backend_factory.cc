@@ -1,11 +1,17 @@
 #include "engine/backend_factory.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <fstream>
 #include <limits>
+#include <new>
+#include <string>
 #include <thread>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "engine/cpu_backend.h"
 #if INDEXER_HAVE_CUDA
 #include "engine/cuda/cuda_backend.h"
@@ -25,6 +31,43 @@ absl::Status CheckPageIds(const EngineConfig& config, int64_t devices) {
   return absl::OkStatus();
 }
 
+// Bytes of host memory available to a new allocation and in all: MemAvailable and MemTotal of
+// /proc/meminfo, else the free and total physical pages; 0 for what is unknown.
+struct HostMemory {
+  int64_t available = 0;
+  int64_t total = 0;
+};
+
+HostMemory ReadHostMemory() {
+  HostMemory m;
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib) {
+    if (key == "MemAvailable:") m.available = kib << 10;
+    if (key == "MemTotal:") m.total = kib << 10;
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  if (m.available == 0 && page > 0) m.available = int64_t{sysconf(_SC_AVPHYS_PAGES)} * page;
+  if (m.total == 0 && page > 0) m.total = int64_t{sysconf(_SC_PHYS_PAGES)} * page;
+  return m;
+}
+
+double Gib(int64_t bytes) { return static_cast<double>(bytes) / double(int64_t{1} << 30); }
+
+// RESOURCE_EXHAUSTED when `devices` CPU pools would not fit the host's available memory: the
+// pool is reserved at start, and one the host cannot back fails there or later, under load.
+absl::Status CheckHostMemory(const EngineConfig& config, int devices) {
+  const int64_t need = config.capacity_pages * config.BytesPerPage() * devices;
+  const HostMemory host = ReadHostMemory();
+  if (host.available <= 0 || need <= host.available) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "%d pages on %d CPU device(s) need %.2f GiB of host memory, but %.2f GiB is available "
+      "of %.2f GiB; lower --capacity",
+      config.capacity_pages, devices, Gib(need), Gib(host.available), Gib(host.total)));
+}
+
 DeviceSlot SlotOf(const EngineConfig& config, int index, int ordinal) {
   return DeviceSlot{ordinal, int64_t{index} * config.capacity_pages, config.capacity_pages};
 }
@@ -40,10 +83,19 @@ absl::StatusOr<std::vector<DeviceBackend>> MakeCpuBackends(const EngineConfig& c
     const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     per_device.cpu_threads = std::max(1, hw / n);
   }
+  if (absl::Status s = CheckHostMemory(config, n); !s.ok()) return s;
   std::vector<DeviceBackend> out;
-  for (int d = 0; d < n; ++d) {
-    const DeviceSlot slot = SlotOf(config, d, d);
-    out.push_back(DeviceBackend{slot, std::make_unique<CpuBackend>(per_device, slot)});
+  try {
+    for (int d = 0; d < n; ++d) {
+      const DeviceSlot slot = SlotOf(config, d, d);
+      out.push_back(DeviceBackend{slot, std::make_unique<CpuBackend>(per_device, slot)});
+    }
+  } catch (const std::bad_alloc&) {
+    // Memory taken by others between the check and the reservation.
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "cannot reserve %.2f GiB of host memory for %d pages on %d CPU device(s); lower "
+        "--capacity", Gib(config.capacity_pages * config.BytesPerPage() * n),
+        config.capacity_pages, n));
   }
   return out;
 }

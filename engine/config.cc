@@ -62,6 +62,9 @@ absl::Status EngineConfig::Validate() const {
   if (max_sequences < 0 || max_sequences > (int64_t{1} << 30)) {
     return OutOfRange("max_sequences", max_sequences, 0, int64_t{1} << 30);
   }
+  if (tenant_max_sequences < 0 || tenant_max_sequences > (int64_t{1} << 30)) {
+    return OutOfRange("tenant_max_sequences", tenant_max_sequences, 0, int64_t{1} << 30);
+  }
   if (max_select_scores < 1 || max_select_scores > (int64_t{1} << 31)) {
     return OutOfRange("max_select_scores", max_select_scores, 1, int64_t{1} << 31);
   }

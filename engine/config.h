@@ -45,6 +45,9 @@ struct EngineConfig {
   // Sequences held at once, every tenant together (0: no limit). Each costs memory even with
   // no pages (forks of length 0, truncation to 0), so the default bounds it.
   int64_t max_sequences = 65536;
+  // Sequences one tenant may hold at once (0: no limit but max_sequences), so that one tenant
+  // cannot fill max_sequences (with zero-page forks, say) and lock the others out.
+  int64_t tenant_max_sequences = 0;
   // Raw block scores (4 bytes each) one span may need, and one backend call may hold: a span
   // over more is refused (RESOURCE_EXHAUSTED), a wave over more is selected in several calls.
   int64_t max_select_scores = int64_t{1} << 28;

@@ -26,6 +26,10 @@ int64_t BlocksPerUnit(int rows, int head_dim) {
   return std::max<int64_t>(1, (int64_t{1} << 20) / macs_per_block);
 }
 
+absl::Status SelectionsAbandoned() {
+  return absl::CancelledError("the selection was abandoned: the server is shutting down");
+}
+
 }  // namespace
 
 CpuBackend::CpuBackend(const EngineConfig& config, const DeviceSlot& slot)
@@ -158,13 +162,16 @@ absl::Status CpuBackend::Select(std::span<const SelectTask> global_tasks,
       units.push_back({i, b, std::min(b + step, v_max[i])});
     }
   }
+  const auto abandoned = [this] { return abandoned_.load(std::memory_order_relaxed); };
   pool_.ParallelFor(static_cast<int64_t>(units.size()), [&](int64_t u) {
+    if (abandoned()) return;
     const Unit& unit = units[u];
     const SelectTask& task = tasks[unit.task];
     kernels::ScoreBlocksFast(LayerView(task.layer), task.span, unit.block_begin, unit.block_end,
                          raw[unit.task].data(), v_max[unit.task]);
   });
 
+  if (abandoned()) return SelectionsAbandoned();
   // Phase 2: top-k and page-table rows, one (task, token, head) row at a time.
   std::vector<std::pair<size_t, int>> rows;
   for (size_t i = 0; i < tasks.size(); ++i) {
@@ -172,6 +179,7 @@ absl::Status CpuBackend::Select(std::span<const SelectTask> global_tasks,
     for (int r = 0; r < n; ++r) rows.emplace_back(i, r);
   }
   pool_.ParallelFor(static_cast<int64_t>(rows.size()), [&](int64_t j) {
+    if (abandoned()) return;
     const auto [i, row] = rows[j];
     const kernels::SpanSelect& s = tasks[i].span;
     const int64_t pos = s.start_pos + row / s.num_heads;
@@ -187,7 +195,7 @@ absl::Status CpuBackend::Select(std::span<const SelectTask> global_tasks,
                                  s.context_lens + row);
     }
   });
-  return absl::OkStatus();
+  return abandoned() ? SelectionsAbandoned() : absl::OkStatus();
 }
 
 }  // namespace indexer::engine

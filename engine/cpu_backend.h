@@ -10,6 +10,7 @@
 // Thread-safe as KeyCacheBackend requires.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -33,6 +34,8 @@ class CpuBackend final : public KeyCacheBackend {
   absl::Status WritePages(std::span<const int32_t> pages, const uint8_t* src) override;
   absl::Status Select(std::span<const SelectTask> tasks,
                       const kernels::PageTableParams& page_table) override;
+  // Selections check it between units of work (about a million multiply-adds each).
+  void AbandonSelections() override { abandoned_.store(true, std::memory_order_relaxed); }
 
  private:
   kernels::KeyPoolView LayerView(int layer) const;
@@ -45,6 +48,7 @@ class CpuBackend final : public KeyCacheBackend {
   int64_t layer_bytes_;                   // bytes of one layer's pool
   std::unique_ptr<uint8_t[]> storage_;    // [layers][pages][128][head_dim] elements
   ThreadPool pool_;
+  std::atomic<bool> abandoned_{false};
 };
 
 }  // namespace indexer::engine

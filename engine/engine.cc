@@ -15,13 +15,6 @@ using kernels::kBlockSize;
 
 int64_t BlocksFor(int64_t tokens) { return (tokens + kBlockSize - 1) / kBlockSize; }
 
-// Why a new sequence could not be made: the table is full (Insert fails only so).
-absl::Status SequenceLimitError(absl::string_view id, int64_t max_sequences) {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "sequence '", id, "' cannot be created: the server holds max_sequences ", max_sequences,
-      " sequences; release some first"));
-}
-
 std::vector<DeviceBackend> OneDevice(const EngineConfig& config,
                                      std::unique_ptr<KeyCacheBackend> backend) {
   std::vector<DeviceBackend> devices;
@@ -42,7 +35,7 @@ absl::Status CallControl::Check() const {
 EngineCore::EngineCore(const EngineConfig& c, std::vector<DeviceBackend> backends, PageQuotas quotas)
     : config(c),
       pool(c.capacity_pages, std::move(quotas), static_cast<int>(backends.size())),
-      sequences(c.max_sequences) {
+      sequences(c.max_sequences, c.tenant_max_sequences) {
   for (DeviceBackend& d : backends) {
     EngineDevice& device = devices.emplace_back();
     device.slot = d.slot;
@@ -226,8 +219,8 @@ absl::StatusOr<ForkResult> Engine::Fork(absl::string_view source_id, absl::strin
   const SequenceTable::InsertResult inserted = core_->sequences.Insert(fork);
   if (inserted != SequenceTable::InsertResult::kInserted) {
     core_->pool.Release(fork->pages);
-    if (inserted == SequenceTable::InsertResult::kFull) {
-      return SequenceLimitError(target_id, core_->config.max_sequences);
+    if (inserted != SequenceTable::InsertResult::kTaken) {
+      return core_->sequences.RefusalStatus(inserted, target_id);
     }
     return absl::AlreadyExistsError(absl::StrCat("sequence '", target_id, "' already exists"));
   }
@@ -246,6 +239,8 @@ absl::StatusOr<SequenceInfo> Engine::Get(absl::string_view sequence_id,
   if (seq != nullptr) {
     std::lock_guard<SequenceMutex> lock(seq->mu);
     if (!seq->released) {
+      // Reading a sequence is using it: clients settle calls in doubt with Get.
+      seq->last_used_ns = SteadyNowNs();
       SequenceInfo info;
       info.device = seq->device;
       info.lengths = seq->lengths;
@@ -275,6 +270,10 @@ int64_t Engine::ReclaimIdle(absl::Duration idle) {
   return reclaimed;
 }
 
+void Engine::AbandonSelections() {
+  for (EngineDevice& d : core_->devices) d.backend->AbandonSelections();
+}
+
 EngineStats Engine::Stats() const {
   EngineStats s;
   s.live_sequences = static_cast<int64_t>(core_->sequences.size());
@@ -302,7 +301,8 @@ absl::Status Engine::Health() const {
 }
 
 TenantUsage Engine::Usage(absl::string_view tenant) const {
-  return TenantUsage{core_->pool.TenantPages(tenant), core_->pool.TenantQuota(tenant)};
+  return TenantUsage{core_->pool.TenantPages(tenant), core_->pool.TenantQuota(tenant),
+                     core_->sequences.TenantSize(tenant), core_->sequences.max_per_tenant()};
 }
 
 }  // namespace indexer::engine

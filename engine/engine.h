@@ -88,8 +88,10 @@ struct EngineStats {
 };
 
 struct TenantUsage {
-  int64_t pages = 0;       // pages charged to the tenant now
-  int64_t page_quota = 0;  // 0: no quota
+  int64_t pages = 0;          // pages charged to the tenant now
+  int64_t page_quota = 0;     // 0: no quota
+  int64_t sequences = 0;      // sequences the tenant holds now
+  int64_t max_sequences = 0;  // EngineConfig::tenant_max_sequences (0: no limit)
 };
 
 // What a snapshot held (written or restored).
@@ -147,7 +149,8 @@ class Engine {
                                    absl::string_view tenant = kDefaultTenant) const;
 
   // Releases every sequence no call has named for at least `idle` (the idle-sequence TTL, for
-  // schedulers that died without releasing); returns how many.
+  // schedulers that died without releasing); returns how many. Every call that finds a sequence
+  // counts as naming it: appends and selections, Truncate, Fork (its source) and Get.
   int64_t ReclaimIdle(absl::Duration idle);
 
   // `observer` (may be null) sees every backend selection and the select queue from now on; it
@@ -155,6 +158,10 @@ class Engine {
   void SetObserver(EngineObserver* observer);
 
   EngineStats Stats() const;
+  // For shutdown, once the drain time is up: every device's selections that run now or start
+  // later may stop early with CANCELLED (KeyCacheBackend::AbandonSelections), their steps rolled
+  // back, so that the last calls end at once and a snapshot can follow. For good.
+  void AbandonSelections();
   // OK while every device can serve calls; otherwise the Health() status of the first device
   // that cannot (UNAVAILABLE, naming it and its first fatal error). Once not OK it stays so
   // (a failed device never recovers in-process). Cheap: no device is touched. For health

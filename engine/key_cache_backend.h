@@ -104,6 +104,13 @@ class KeyCacheBackend {
   // callable from any thread. The default: none.
   virtual std::vector<BackendCounter> Counters() const { return {}; }
 
+  // Shutdown, once the drain time is up: selections running or started from now on may stop
+  // early and fail with CANCELLED (their steps are rolled back as for any failure), so that the
+  // server does not compute answers nobody will receive. Writes, copies and page reads (the
+  // snapshot) are not affected. Callable from any thread; for good. The default does nothing
+  // (selections run to their end).
+  virtual void AbandonSelections() {}
+
   // Runs `step` and calls `done` once its writes are stored (visible to every later call, on any
   // thread) and its selections' outputs are written, or once it failed. `done` runs on any
   // thread, possibly before Run returns; Run never blocks for the device's work when

@@ -35,29 +35,74 @@ std::shared_ptr<Sequence> SequenceTable::Find(absl::string_view tenant,
   return it == map_.end() ? nullptr : it->second;
 }
 
+SequenceTable::InsertResult SequenceTable::RoomLocked(absl::string_view tenant) const {
+  if (max_size_ > 0 && static_cast<int64_t>(map_.size()) >= max_size_) return InsertResult::kFull;
+  if (max_per_tenant_ > 0) {
+    auto it = tenant_sizes_.find(tenant);
+    if (it != tenant_sizes_.end() && it->second >= max_per_tenant_) {
+      return InsertResult::kTenantFull;
+    }
+  }
+  return InsertResult::kInserted;
+}
+
+void SequenceTable::AddedLocked(absl::string_view tenant) {
+  auto it = tenant_sizes_.find(tenant);
+  if (it == tenant_sizes_.end()) it = tenant_sizes_.emplace(std::string(tenant), 0).first;
+  ++it->second;
+}
+
+void SequenceTable::RemovedLocked(absl::string_view tenant) {
+  auto it = tenant_sizes_.find(tenant);
+  if (it != tenant_sizes_.end() && --it->second == 0) tenant_sizes_.erase(it);
+}
+
 std::shared_ptr<Sequence> SequenceTable::FindOrCreate(absl::string_view tenant,
                                                       absl::string_view id, int layers,
-                                                      bool* created, int device) {
+                                                      bool* created, int device,
+                                                      InsertResult* refused) {
   std::string key = Key(tenant, id);
   std::lock_guard<std::mutex> lock(mu_);
-  if (max_size_ > 0 && static_cast<int64_t>(map_.size()) >= max_size_) {
-    auto it = map_.find(key);
-    *created = false;
-    return it == map_.end() ? nullptr : it->second;
+  *created = false;
+  if (auto it = map_.find(key); it != map_.end()) return it->second;
+  if (const InsertResult room = RoomLocked(tenant); room != InsertResult::kInserted) {
+    if (refused != nullptr) *refused = room;
+    return nullptr;
   }
-  auto [it, inserted] = map_.try_emplace(std::move(key), nullptr);
-  if (inserted) it->second = std::make_shared<Sequence>(std::string(tenant), std::string(id), layers, device);
-  *created = inserted;
-  return it->second;
+  auto seq = std::make_shared<Sequence>(std::string(tenant), std::string(id), layers, device);
+  map_.emplace(std::move(key), seq);
+  AddedLocked(tenant);
+  *created = true;
+  return seq;
 }
 
 SequenceTable::InsertResult SequenceTable::Insert(std::shared_ptr<Sequence> seq) {
   std::string key = Key(seq->tenant, seq->id);
   std::lock_guard<std::mutex> lock(mu_);
   if (map_.contains(key)) return InsertResult::kTaken;
-  if (max_size_ > 0 && static_cast<int64_t>(map_.size()) >= max_size_) return InsertResult::kFull;
+  if (const InsertResult room = RoomLocked(seq->tenant); room != InsertResult::kInserted) {
+    return room;
+  }
+  AddedLocked(seq->tenant);
   map_.emplace(std::move(key), std::move(seq));
   return InsertResult::kInserted;
+}
+
+absl::Status SequenceTable::RefusalStatus(InsertResult why, absl::string_view id) const {
+  if (why == InsertResult::kTenantFull) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence '", id, "' cannot be created: the tenant holds tenant_max_sequences ",
+        max_per_tenant_, " sequences; release some first"));
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "sequence '", id, "' cannot be created: the server holds max_sequences ", max_size_,
+      " sequences; release some first"));
+}
+
+int64_t SequenceTable::TenantSize(absl::string_view tenant) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tenant_sizes_.find(tenant);
+  return it == tenant_sizes_.end() ? 0 : it->second;
 }
 
 std::shared_ptr<Sequence> SequenceTable::Erase(absl::string_view tenant, absl::string_view id) {
@@ -67,6 +112,7 @@ std::shared_ptr<Sequence> SequenceTable::Erase(absl::string_view tenant, absl::s
   if (it == map_.end()) return nullptr;
   auto seq = std::move(it->second);
   map_.erase(it);
+  RemovedLocked(seq->tenant);
   return seq;
 }
 
@@ -76,6 +122,7 @@ bool SequenceTable::EraseIfSame(const std::shared_ptr<Sequence>& seq) {
   auto it = map_.find(key);
   if (it == map_.end() || it->second != seq) return false;
   map_.erase(it);
+  RemovedLocked(seq->tenant);
   return true;
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "engine/sequence_mutex.h"
 
@@ -56,20 +57,31 @@ struct Sequence {
 
 class SequenceTable {
  public:
-  // What Insert did.
-  enum class InsertResult { kInserted, kTaken, kFull };
+  // What Insert did: inserted, or refused because the id is taken, the table holds max_size, or
+  // the tenant holds max_per_tenant.
+  enum class InsertResult { kInserted, kTaken, kFull, kTenantFull };
 
-  // `max_size`: the most sequences the table holds at once, every tenant together (0: no limit).
-  explicit SequenceTable(int64_t max_size = 0) : max_size_(max_size) {}
+  // `max_size`: the most sequences the table holds at once, every tenant together;
+  // `max_per_tenant`: the most one tenant holds. 0: no limit.
+  explicit SequenceTable(int64_t max_size = 0, int64_t max_per_tenant = 0)
+      : max_size_(max_size), max_per_tenant_(max_per_tenant) {}
 
   // The sequence with this tenant and id, or nullptr.
   std::shared_ptr<Sequence> Find(absl::string_view tenant, absl::string_view id) const;
   // The sequence with this tenant and id, made (empty, on `device`) when absent; *created says
-  // which. nullptr (and *created false) when it is absent and the table already holds max_size.
+  // which. nullptr (and *created false) when it is absent and a limit is reached; then
+  // *refused (when given) says which (kFull or kTenantFull).
   std::shared_ptr<Sequence> FindOrCreate(absl::string_view tenant, absl::string_view id,
-                                         int layers, bool* created, int device = 0);
-  // Adds `seq` unless its tenant and id are taken or the table holds max_size.
+                                         int layers, bool* created, int device = 0,
+                                         InsertResult* refused = nullptr);
+  // Adds `seq` unless its tenant and id are taken or a limit is reached.
   InsertResult Insert(std::shared_ptr<Sequence> seq);
+  // Why sequence `id` could not be created (kFull or kTenantFull): RESOURCE_EXHAUSTED naming
+  // the limit (max_sequences or tenant_max_sequences, as the flags call them).
+  absl::Status RefusalStatus(InsertResult why, absl::string_view id) const;
+  // Sequences `tenant` holds now.
+  int64_t TenantSize(absl::string_view tenant) const;
+  int64_t max_per_tenant() const { return max_per_tenant_; }
   // Removes the entry for this tenant and id; returns it (nullptr when absent).
   std::shared_ptr<Sequence> Erase(absl::string_view tenant, absl::string_view id);
   // Removes `seq`'s entry only if the table still maps its tenant and id to this very object.
@@ -79,10 +91,18 @@ class SequenceTable {
   size_t size() const;
 
  private:
+  // kInserted when one more sequence of `tenant` fits, else the limit it would pass.
+  InsertResult RoomLocked(absl::string_view tenant) const;
+  void AddedLocked(absl::string_view tenant);
+  void RemovedLocked(absl::string_view tenant);
+
   const int64_t max_size_;
+  const int64_t max_per_tenant_;
   mutable std::mutex mu_;
   // Key: tenant, '\0', id. Tenant names never hold '\0', so the key is unique per (tenant, id).
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> map_;
+  // Entries of map_ per tenant; tenants holding none are absent.
+  absl::flat_hash_map<std::string, int64_t> tenant_sizes_;
 };
 
 }  // namespace indexer::engine

@@ -333,6 +333,16 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
         "snapshot file ", path, " holds ", plan.sequences.size(),
         " sequences; this server's max_sequences is ", core_->config.max_sequences));
   }
+  if (const int64_t limit = core_->config.tenant_max_sequences; limit > 0) {
+    absl::flat_hash_map<absl::string_view, int64_t> per_tenant;
+    for (const SnapshotSequence& r : plan.sequences) {
+      if (++per_tenant[r.tenant] > limit) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "snapshot file ", path, " holds more than ", limit, " sequences of tenant '",
+            r.tenant, "'; this server's tenant_max_sequences is ", limit));
+      }
+    }
+  }
 
   // Pass 2: take the pages (charged to their tenants), load them, and make sure the file still
   // says what pass 1 read. Sequences appear only after that, so a failure leaves nothing behind.

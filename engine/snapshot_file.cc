@@ -1,6 +1,7 @@
 #include "engine/snapshot_file.h"
 
 #include <fcntl.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -56,24 +57,28 @@ std::string Folder(const std::string& path) {
 // SnapshotWriter
 
 absl::StatusOr<std::unique_ptr<SnapshotWriter>> SnapshotWriter::Create(const std::string& path) {
-  const std::string tmp = path + ".tmp";
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  // A name of its own, created exclusively: a file or link already in the folder is never
+  // opened, so it can lend the snapshot neither its mode nor a target outside the folder.
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = mkostemp(tmp.data(), O_CLOEXEC);
   if (fd < 0) {
     const int error = errno;
-    return WriteError(error, absl::StrCat("cannot create snapshot file ", tmp));
+    return WriteError(error, absl::StrCat("cannot create a snapshot file next to ", path));
   }
-  std::unique_ptr<SnapshotWriter> w(new SnapshotWriter(path, fd));
+  std::unique_ptr<SnapshotWriter> w(new SnapshotWriter(path, std::move(tmp), fd));
+  // The keys of every tenant: owner only, whatever the umask or the creator's default.
+  if (fchmod(fd, 0600) != 0) return w->Fail("cannot set the mode of snapshot file", errno);
   w->buffer_.reserve(kBufferBytes);
   return w;
 }
 
 SnapshotWriter::~SnapshotWriter() {
   if (fd_ >= 0) close(fd_);
-  if (!committed_) unlink((path_ + ".tmp").c_str());
+  if (!committed_) unlink(tmp_path_.c_str());
 }
 
 absl::Status SnapshotWriter::Fail(absl::string_view what, int error) {
-  return WriteError(error, absl::StrCat(what, " ", path_, ".tmp"));
+  return WriteError(error, absl::StrCat(what, " ", tmp_path_));
 }
 
 absl::Status SnapshotWriter::Flush() {
@@ -158,10 +163,9 @@ absl::Status SnapshotWriter::Commit() {
     return Fail("cannot close snapshot file", errno);
   }
   fd_ = -1;
-  const std::string tmp = path_ + ".tmp";
-  if (rename(tmp.c_str(), path_.c_str()) != 0) {
+  if (rename(tmp_path_.c_str(), path_.c_str()) != 0) {
     const int error = errno;
-    return WriteError(error, absl::StrCat("cannot rename ", tmp, " to ", path_));
+    return WriteError(error, absl::StrCat("cannot rename ", tmp_path_, " to ", path_));
   }
   committed_ = true;
   // The rename itself is durable only once the folder is on disk too.

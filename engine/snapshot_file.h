@@ -65,14 +65,16 @@ struct SnapshotSequence {
   bool operator==(const SnapshotSequence&) const = default;
 };
 
-// Writes PATH.tmp and renames it over PATH only when everything is written and on disk: a crash
-// or a failure at any point leaves PATH as it was (and removes PATH.tmp when it can).
+// Writes a temporary file PATH.tmp.XXXXXX (a fresh name, created exclusively, mode 0600) and
+// renames it over PATH only when everything is written and on disk: a crash or a failure at any
+// point leaves PATH as it was (and removes the temporary file when it can). Files or links
+// already in the folder, whatever their names, are never opened or followed.
 class SnapshotWriter {
  public:
-  // Creates (or truncates) PATH.tmp, mode 0600. Every write-side error is INTERNAL carrying the
-  // path and the system's reason.
+  // Creates the temporary file. Every write-side error is INTERNAL carrying the path and the
+  // system's reason.
   static absl::StatusOr<std::unique_ptr<SnapshotWriter>> Create(const std::string& path);
-  ~SnapshotWriter();  // removes PATH.tmp unless Commit() succeeded
+  ~SnapshotWriter();  // removes the temporary file unless Commit() succeeded
   SnapshotWriter(const SnapshotWriter&) = delete;
   SnapshotWriter& operator=(const SnapshotWriter&) = delete;
 
@@ -80,18 +82,21 @@ class SnapshotWriter {
   absl::Status WriteHeader(const SnapshotHeader& header);
   absl::Status WriteSequence(const SnapshotSequence& seq);
   absl::Status WritePages(const uint8_t* data, size_t bytes);
-  // Writes the trailer, flushes, fsyncs, renames PATH.tmp to PATH and fsyncs the folder.
+  // Writes the trailer, flushes, fsyncs, renames the temporary file to PATH and fsyncs the
+  // folder.
   absl::Status Commit();
 
   uint64_t bytes_written() const { return offset_; }
 
  private:
-  SnapshotWriter(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  SnapshotWriter(std::string path, std::string tmp_path, int fd)
+      : path_(std::move(path)), tmp_path_(std::move(tmp_path)), fd_(fd) {}
   absl::Status Append(const void* data, size_t n);
   absl::Status Flush();
   absl::Status Fail(absl::string_view what, int error);
 
   std::string path_;
+  std::string tmp_path_;
   int fd_ = -1;
   uint32_t version_ = kSnapshotVersion;
   bool committed_ = false;

@@ -16,13 +16,6 @@ absl::Status NotFound(absl::string_view id) {
   return absl::NotFoundError(absl::StrCat("sequence '", id, "' does not exist"));
 }
 
-// Why a new sequence could not be made: the table is full (FindOrCreate fails only so).
-absl::Status SequenceLimitError(absl::string_view id, int64_t max_sequences) {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "sequence '", id, "' cannot be created: the server holds max_sequences ", max_sequences,
-      " sequences; release some first"));
-}
-
 void KeepSlowest(absl::Duration& slowest, absl::Duration d) { slowest = std::max(slowest, d); }
 
 }  // namespace
@@ -52,13 +45,14 @@ void Wave::Resolve(std::vector<int64_t>& free, std::vector<int64_t>& planned) {
   for (Step& s : steps_) {
     if (s.failed) continue;
     const PreparedStep& r = *s.request;
+    SequenceTable::InsertResult refused = SequenceTable::InsertResult::kFull;
     if (s.seq == nullptr) {
       s.seq = core_.sequences.Find(r.tenant, r.sequence_id);
       if (s.seq == nullptr && r.has_append) {
         const int device = core_.PlaceNew(free, planned);
         bool created = false;
         s.seq = core_.sequences.FindOrCreate(r.tenant, r.sequence_id, core_.config.layers,
-                                             &created, device);
+                                             &created, device, &refused);
         s.created = s.created || created;
         // Pages promised to a sequence this wave creates count against its device for the next
         // placement (a sequence found, or created by another call, takes none here).
@@ -66,7 +60,7 @@ void Wave::Resolve(std::vector<int64_t>& free, std::vector<int64_t>& planned) {
       }
     }
     if (s.seq == nullptr) {
-      Fail(s, r.has_append ? SequenceLimitError(r.sequence_id, core_.config.max_sequences)
+      Fail(s, r.has_append ? core_.sequences.RefusalStatus(refused, r.sequence_id)
                            : NotFound(r.sequence_id));
       continue;
     }

@@ -8,6 +8,7 @@
 #include "absl/time/time.h"
 #include "server/authenticated_call.h"
 #include "server/status_convert.h"
+#include "server/wire_messages.h"
 
 namespace indexer::server {
 
@@ -30,34 +31,47 @@ absl::StatusOr<std::string> SnapshotPath(absl::string_view dir, absl::string_vie
   return absl::StrCat(dir, "/", file);
 }
 
+grpc::Status IndexerAdminService::WriteSnapshot(const Caller& caller,
+                                                const v1::SnapshotRequest& request,
+                                                v1::SnapshotResponse* response) {
+  absl::Status status = AccessControl::RequireAdmin(caller, "IndexerAdmin.Snapshot");
+  if (!status.ok()) return ToGrpcStatus(status);
+  if (snapshot_dir_.empty()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        "this server has no snapshot folder: start it with --snapshot_dir"));
+  }
+  absl::StatusOr<std::string> path = SnapshotPath(snapshot_dir_, request.name());
+  if (!path.ok()) return ToGrpcStatus(path.status());
+  const absl::Time start = absl::Now();
+  engine::SnapshotStats stats;
+  status = engine_->WriteSnapshot(*path, &stats);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (!status.ok()) {
+    spdlog::error("snapshot to {} failed: {}", *path, status.ToString());
+    return ToGrpcStatus(status);
+  }
+  spdlog::info("snapshot: {} sequences, {} pages, {} bytes written to {} in {:.3f} s",
+               stats.sequences, stats.pages, stats.bytes, *path, seconds);
+  response->set_path(*path);
+  response->set_bytes(static_cast<uint64_t>(stats.bytes));
+  response->set_sequences(static_cast<uint64_t>(stats.sequences));
+  response->set_pages(static_cast<uint64_t>(stats.pages));
+  response->set_seconds(seconds);
+  return grpc::Status::OK;
+}
+
 grpc::ServerUnaryReactor* IndexerAdminService::Snapshot(grpc::CallbackServerContext* ctx,
-                                                        const v1::SnapshotRequest* req,
-                                                        v1::SnapshotResponse* resp) {
+                                                        const grpc::ByteBuffer* req,
+                                                        grpc::ByteBuffer* resp) {
   const auto handler = [this, req, resp](const Caller& caller) {
-    absl::Status status = AccessControl::RequireAdmin(caller, "IndexerAdmin.Snapshot");
-    if (!status.ok()) return ToGrpcStatus(status);
-    if (snapshot_dir_.empty()) {
-      return ToGrpcStatus(absl::FailedPreconditionError(
-          "this server has no snapshot folder: start it with --snapshot_dir"));
+    v1::SnapshotRequest request;
+    if (absl::Status parsed = ParseMessage(*req, &request); !parsed.ok()) {
+      return ToGrpcStatus(parsed);
     }
-    absl::StatusOr<std::string> path = SnapshotPath(snapshot_dir_, req->name());
-    if (!path.ok()) return ToGrpcStatus(path.status());
-    const absl::Time start = absl::Now();
-    engine::SnapshotStats stats;
-    status = engine_->WriteSnapshot(*path, &stats);
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    if (!status.ok()) {
-      spdlog::error("snapshot to {} failed: {}", *path, status.ToString());
-      return ToGrpcStatus(status);
-    }
-    spdlog::info("snapshot: {} sequences, {} pages, {} bytes written to {} in {:.3f} s",
-                 stats.sequences, stats.pages, stats.bytes, *path, seconds);
-    resp->set_path(*path);
-    resp->set_bytes(static_cast<uint64_t>(stats.bytes));
-    resp->set_sequences(static_cast<uint64_t>(stats.sequences));
-    resp->set_pages(static_cast<uint64_t>(stats.pages));
-    resp->set_seconds(seconds);
-    return grpc::Status::OK;
+    v1::SnapshotResponse response;
+    const grpc::Status status = WriteSnapshot(caller, request, &response);
+    if (status.ok()) SerializeMessage(response, resp);
+    return status;
   };
   return RunAuthenticated(ctx, *access_, *executor_, tracker_, "Snapshot", handler);
 }

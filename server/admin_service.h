@@ -1,7 +1,9 @@
 // IndexerAdminService: the administration API (indexer.v1.IndexerAdmin): snapshots on demand.
 // Like IndexerService it only translates; the engine writes the file. Every call needs an admin
 // caller (AccessControl); snapshots go only into the server's snapshot folder, under a plain
-// file name, so that no caller can make the server write anywhere else.
+// file name, so that no caller can make the server write anywhere else. Like IndexerService it
+// takes its requests as raw bytes and parses them itself (wire_messages.h), so that a request
+// that does not parse is answered INVALID_ARGUMENT saying so.
 #pragma once
 
 #include <string>
@@ -14,7 +16,11 @@
 
 namespace indexer::server {
 
-class IndexerAdminService final : public indexer::v1::IndexerAdmin::CallbackService {
+// The generated service with Snapshot taking and answering raw bytes.
+using RawIndexerAdminService =
+    v1::IndexerAdmin::WithRawCallbackMethod_Snapshot<v1::IndexerAdmin::Service>;
+
+class IndexerAdminService final : public RawIndexerAdminService {
  public:
   // `engine`, `executor`, `access` and `tracker` (see IndexerService) must outlive the service
   // and every call it serves. `snapshot_dir` empty: Snapshot is refused with FAILED_PRECONDITION.
@@ -28,10 +34,12 @@ class IndexerAdminService final : public indexer::v1::IndexerAdmin::CallbackServ
         snapshot_dir_(std::move(snapshot_dir)) {}
 
   grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* ctx,
-                                     const v1::SnapshotRequest* req,
-                                     v1::SnapshotResponse* resp) override;
+                                     const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) override;
 
  private:
+  grpc::Status WriteSnapshot(const Caller& caller, const v1::SnapshotRequest& request,
+                             v1::SnapshotResponse* response);
+
   engine::Engine* engine_;
   RequestExecutor* executor_;
   const AccessControl* access_;

@@ -303,6 +303,9 @@ void IndexerServer::Shutdown(absl::Duration drain, absl::Duration not_serving_gr
   } else {
     spdlog::warn("shutdown: {} calls still running after the drain time ({}); cancelling them",
                  calls_->in_flight(), absl::FormatDuration(drain));
+    // gRPC cancels the calls, but would still wait for their handlers: stop the selections they
+    // wait for, so that nothing computes answers nobody will receive.
+    engine_->AbandonSelections();
   }
   server_->Shutdown(absl::ToChronoTime(grpc_deadline));
   server_->Wait();

@@ -194,10 +194,14 @@ grpc::ServerUnaryReactor* IndexerService::ServerInfo(Ctx* ctx, const Bytes* req,
     out->set_max_tokens_per_sequence(static_cast<uint32_t>(c.max_tokens_per_sequence));
     out->set_max_message_bytes(max_message_bytes_);
     out->set_max_sequences(static_cast<uint64_t>(c.max_sequences));
+    out->set_max_query_tokens(static_cast<uint32_t>(c.max_query_tokens));
+    out->set_max_batch_items(static_cast<uint32_t>(c.max_batch_items));
     const engine::TenantUsage usage = engine_->Usage(caller.tenant);
     out->set_tenant(caller.tenant);
     out->set_tenant_pages(static_cast<uint64_t>(usage.pages));
     out->set_tenant_page_quota(static_cast<uint64_t>(usage.page_quota));
+    out->set_tenant_sequences(static_cast<uint64_t>(usage.sequences));
+    out->set_tenant_max_sequences(static_cast<uint64_t>(usage.max_sequences));
     return grpc::Status::OK;
   });
 }

@@ -55,6 +55,9 @@ ABSL_FLAG(int32_t, max_batch_items, 4096, "Most items in one Batch call");
 ABSL_FLAG(int64_t, max_sequences, 65536,
           "Most sequences held at once, every tenant together (0 = no limit); a call that would "
           "create one more fails with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, tenant_max_sequences, 0,
+          "Most sequences one tenant holds at once (0 = no limit but --max_sequences); a call that "
+          "would create one more fails with RESOURCE_EXHAUSTED naming tenant_max_sequences");
 ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend compute threads (0 = all hardware threads)");
 ABSL_FLAG(int32_t, handler_threads, 0,
           "Threads running the calls that may wait (ReleaseSequence, TruncateSequence, "
@@ -249,7 +252,7 @@ const std::vector<FlagSection>& FlagSections() {
       {"Selection defaults and limits",
        {"max_index_heads", "max_topk", "topk", "init_blocks", "local_blocks", "pages_per_block",
         "block_page_stride", "max_tokens_per_sequence", "max_query_tokens", "max_batch_items",
-        "max_sequences"}},
+        "max_sequences", "tenant_max_sequences"}},
       {"Batching and threads",
        {"batching", "batch_max_tasks", "batch_max_delay_us", "batch_queue_bound",
         "batch_max_inflight", "handler_threads", "handler_spin_us"}},
@@ -434,6 +437,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   e.max_query_tokens = absl::GetFlag(FLAGS_max_query_tokens);
   e.max_batch_items = absl::GetFlag(FLAGS_max_batch_items);
   e.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  e.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
   e.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   e.batching.enabled = absl::GetFlag(FLAGS_batching);
   e.batching.max_tasks = absl::GetFlag(FLAGS_batch_max_tasks);
@@ -521,7 +525,7 @@ std::string Summary(const ServerOptions& o) {
       "capacity=%d pages (%.2f GiB) per device "
       "max_index_heads=%d max_topk=%d topk=%d init_blocks=%d local_blocks=%d pages_per_block=%d "
       "block_page_stride=%d max_tokens_per_sequence=%d max_query_tokens=%d max_batch_items=%d "
-      "max_sequences=%d batching=%s batch_max_tasks=%d batch_max_delay_us=%d batch_queue_bound=%d "
+      "max_sequences=%d tenant_max_sequences=%d batching=%s batch_max_tasks=%d batch_max_delay_us=%d batch_queue_bound=%d "
       "batch_max_inflight=%d handler_threads=%d handler_spin_us=%d max_message_bytes=%d tls=%s token_file=%s tenant_quota=%d pages snapshot_dir=%s "
       "snapshot_on_shutdown=%s restore=%s metrics_listen=%s idle_ttl=%s",
       o.listen, o.health_listen.empty() ? "off" : o.health_listen, o.device, o.devices.empty() ? "all" : absl::StrJoin(o.devices, ","),
@@ -530,7 +534,7 @@ std::string Summary(const ServerOptions& o) {
       e.max_index_heads, e.max_topk, e.defaults.topk, e.defaults.init_blocks,
       e.defaults.local_blocks, e.page_table.pages_per_block, e.page_table.block_page_stride,
       e.max_tokens_per_sequence, e.max_query_tokens, e.max_batch_items, e.max_sequences,
-      e.batching.enabled ? "on" : "off", e.batching.max_tasks, e.batching.max_delay_us,
+      e.tenant_max_sequences, e.batching.enabled ? "on" : "off", e.batching.max_tasks, e.batching.max_delay_us,
       e.batching.queue_bound, e.batching.max_inflight, HandlerThreads(o), o.handler_spin_us,
       o.max_message_bytes,
       o.tls_cert.empty() ? "off" : (o.tls_client_ca.empty() ? "on" : "mutual"),

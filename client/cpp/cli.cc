@@ -327,6 +327,14 @@ int Info(IndexerClient& client) {
   std::printf("live_sequences        %llu\n", static_cast<unsigned long long>(i.live_sequences()));
   std::printf("max_tokens_per_seq    %u\n", i.max_tokens_per_sequence());
   std::printf("max_message_bytes     %llu\n", static_cast<unsigned long long>(i.max_message_bytes()));
+  std::printf("max_query_tokens      %u\n", i.max_query_tokens());
+  std::printf("max_batch_items       %u\n", i.max_batch_items());
+  std::printf("max_sequences         %s\n",
+              i.max_sequences() == 0 ? "none" : absl::StrCat(i.max_sequences()).c_str());
+  std::printf("tenant sequences      %llu held, limit %s\n",
+              static_cast<unsigned long long>(i.tenant_sequences()),
+              i.tenant_max_sequences() == 0 ? "none"
+                                            : absl::StrCat(i.tenant_max_sequences()).c_str());
   if (!i.tenant().empty()) {
     std::printf("tenant                %s: %llu pages held, quota %s\n", i.tenant().c_str(),
                 static_cast<unsigned long long>(i.tenant_pages()),
@@ -358,8 +366,9 @@ int Append(IndexerClient& client) {
   std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
   const std::vector<float> keys = RandomValues(rng, row * tokens);
   v1::AppendKeysRequest request =
-      all_layers ? indexer::client::MakeAppendAllLayers(*id, keys, *dtype)
-                 : indexer::client::MakeAppend(*id, absl::GetFlag(FLAGS_layer), keys, *dtype);
+      all_layers ? indexer::client::MakeAppendAllLayers(*id, tokens, keys, *dtype)
+                 : indexer::client::MakeAppend(*id, absl::GetFlag(FLAGS_layer), tokens, keys,
+                                               *dtype);
 
   const std::string pages = absl::GetFlag(FLAGS_attention_pages);
   if (pages == "auto") {
@@ -415,7 +424,8 @@ int Select(IndexerClient& client) {
   const std::vector<float> queries =
       RandomValues(rng, static_cast<size_t>(tokens) * heads * info->head_dim());
   v1::SelectBlocksRequest request =
-      indexer::client::MakeSelect(*id, absl::GetFlag(FLAGS_layer), heads, queries, *dtype);
+      indexer::client::MakeSelect(*id, absl::GetFlag(FLAGS_layer), heads, tokens, queries,
+                                  *dtype);
   ApplySelectFlags(&request);
   if (absl::GetFlag(FLAGS_start_position) >= 0) {
     request.set_start_position(absl::GetFlag(FLAGS_start_position));
@@ -555,7 +565,7 @@ class Demo {
       for (int done = 0; done < prefill; done += chunk) {
         const int len = std::min(chunk, prefill - done);
         const std::vector<float> keys = RandomValues(rng, static_cast<size_t>(len) * layers * d);
-        chunks.push_back(indexer::client::MakeAppendAllLayers(ids_[s], keys, *dtype));
+        chunks.push_back(indexer::client::MakeAppendAllLayers(ids_[s], len, keys, *dtype));
         payload_bytes += static_cast<int64_t>(chunks.back().keys().size());
       }
     }
@@ -582,11 +592,11 @@ class Demo {
       for (int s = 0; s < n; ++s) {
         const std::vector<float> queries = RandomValues(rng, static_cast<size_t>(heads) * d);
         v1::SelectBlocksRequest* item = batch.add_items();
-        *item = indexer::client::MakeSelect(ids_[s], 0, heads, queries, *dtype);
+        *item = indexer::client::MakeSelect(ids_[s], 0, heads, 1, queries, *dtype);
         item->set_topk(topk);
         item->set_local_blocks(1);
         const std::vector<float> key = RandomValues(rng, static_cast<size_t>(layers) * d);
-        *item->mutable_append() = indexer::client::MakeAppendAllLayers("", key, *dtype);
+        *item->mutable_append() = indexer::client::MakeAppendAllLayers("", 1, key, *dtype);
       }
       const absl::Time t0 = absl::Now();
       absl::StatusOr<v1::BatchResponse> r = client_.Batch(batch, Call());

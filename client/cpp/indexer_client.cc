@@ -135,6 +135,95 @@ v1::SelectBlocksRequest MakeSelect(absl::string_view sequence_id, uint32_t layer
   return r;
 }
 
+v1::AppendKeysRequest MakeAppend(absl::string_view sequence_id, uint32_t layer,
+                                 uint32_t num_tokens, std::span<const float> keys,
+                                 v1::ValueDtype dtype) {
+  v1::AppendKeysRequest r = MakeAppend(sequence_id, layer, keys, dtype);
+  r.set_num_tokens(num_tokens);
+  return r;
+}
+
+v1::AppendKeysRequest MakeAppendAllLayers(absl::string_view sequence_id, uint32_t num_tokens,
+                                          std::span<const float> keys, v1::ValueDtype dtype) {
+  v1::AppendKeysRequest r = MakeAppendAllLayers(sequence_id, keys, dtype);
+  r.set_num_tokens(num_tokens);
+  return r;
+}
+
+v1::SelectBlocksRequest MakeSelect(absl::string_view sequence_id, uint32_t layer,
+                                   uint32_t num_heads, uint32_t num_tokens,
+                                   std::span<const float> queries, v1::ValueDtype dtype) {
+  v1::SelectBlocksRequest r = MakeSelect(sequence_id, layer, num_heads, queries, dtype);
+  r.set_num_tokens(num_tokens);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shape checks.
+
+ServerShapes ShapesOf(const v1::ServerInfoResponse& info) {
+  return ServerShapes{info.head_dim(), info.layers()};
+}
+
+namespace {
+
+// Bytes of one value on the wire; 0 for a dtype the server refuses (it says so itself).
+size_t WireBytes(v1::ValueDtype dtype) {
+  if (dtype == v1::VALUE_DTYPE_BF16) return 2;
+  if (dtype == v1::VALUE_DTYPE_FP32) return 4;
+  return 0;
+}
+
+// When a count is declared, `bytes` must be `declared` rows of `row` values (`layout` names
+// them). Without one there is nothing the server would not say better itself.
+absl::Status CheckRows(absl::string_view field, size_t bytes, size_t value_bytes, size_t row,
+                       absl::string_view layout, bool has_declared, uint32_t declared) {
+  if (!has_declared || value_bytes == 0 || row == 0) return absl::OkStatus();
+  const size_t values = bytes / value_bytes;
+  const bool whole = bytes % value_bytes == 0 && values % row == 0;
+  if (whole && values / row == declared) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, " holds ", values, " values and num_tokens says ", declared,
+      ", but the server's tokens are ", layout,
+      " = ", row, " values each: ", field, " must hold num_tokens x ", row,
+      " values (check the array's shape and the model's head_dim)"));
+}
+
+}  // namespace
+
+absl::Status CheckShapes(const ServerShapes& shapes, const v1::AppendKeysRequest& r) {
+  const size_t layers = r.all_layers() ? shapes.layers : 1;
+  const std::string layout = r.all_layers()
+                                 ? absl::StrCat("[layers ", shapes.layers, "][head_dim ",
+                                                shapes.head_dim, "]")
+                                 : absl::StrCat("[head_dim ", shapes.head_dim, "]");
+  return CheckRows("keys", r.keys().size(), WireBytes(r.dtype()), layers * shapes.head_dim,
+                   layout, r.has_num_tokens(), r.num_tokens());
+}
+
+absl::Status CheckShapes(const ServerShapes& shapes, const v1::SelectBlocksRequest& r) {
+  if (r.has_append()) {
+    if (absl::Status s = CheckShapes(shapes, r.append()); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("append: ", s.message()));
+    }
+  }
+  if (r.queries().empty()) return absl::OkStatus();
+  const std::string layout = absl::StrCat("[num_heads ", r.num_heads(), "][head_dim ",
+                                          shapes.head_dim, "]");
+  return CheckRows("queries", r.queries().size(), WireBytes(r.query_dtype()),
+                   size_t{r.num_heads()} * shapes.head_dim, layout, r.has_num_tokens(),
+                   r.num_tokens());
+}
+
+absl::Status CheckShapes(const ServerShapes& shapes, const v1::BatchRequest& r) {
+  for (int i = 0; i < r.items_size(); ++i) {
+    if (absl::Status s = CheckShapes(shapes, r.items(i)); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("items[", i, "]: ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // ---------------------------------------------------------------------------------------------
 // The client.
 
@@ -267,18 +356,40 @@ absl::StatusOr<Response> IndexerClient::Call(
   return response;
 }
 
+std::optional<ServerShapes> IndexerClient::ShapesToCheck(const CallOptions& call) {
+  if (!options_.check_shapes) return std::nullopt;
+  {
+    std::lock_guard<std::mutex> lock(shapes_mu_);
+    if (shapes_) return shapes_;
+  }
+  absl::StatusOr<v1::ServerInfoResponse> info = ServerInfo(call);
+  if (!info.ok()) return std::nullopt;  // unchecked this time; the server still checks
+  std::lock_guard<std::mutex> lock(shapes_mu_);
+  shapes_ = ShapesOf(*info);
+  return shapes_;
+}
+
+template <typename Request>
+absl::Status IndexerClient::CheckBeforeSending(const Request& request, const CallOptions& call) {
+  const std::optional<ServerShapes> shapes = ShapesToCheck(call);
+  return shapes ? CheckShapes(*shapes, request) : absl::OkStatus();
+}
+
 absl::StatusOr<v1::AppendKeysResponse> IndexerClient::AppendKeys(
     const v1::AppendKeysRequest& request, const CallOptions& call) {
+  if (absl::Status s = CheckBeforeSending(request, call); !s.ok()) return s;
   return Call(&v1::Indexer::Stub::AppendKeys, request, call);
 }
 
 absl::StatusOr<v1::SelectBlocksResponse> IndexerClient::SelectBlocks(
     const v1::SelectBlocksRequest& request, const CallOptions& call) {
+  if (absl::Status s = CheckBeforeSending(request, call); !s.ok()) return s;
   return Call(&v1::Indexer::Stub::SelectBlocks, request, call);
 }
 
 absl::StatusOr<v1::BatchResponse> IndexerClient::Batch(const v1::BatchRequest& request,
                                                        const CallOptions& call) {
+  if (absl::Status s = CheckBeforeSending(request, call); !s.ok()) return s;
   return Call(&v1::Indexer::Stub::Batch, request, call);
 }
 
@@ -390,6 +501,7 @@ std::unique_ptr<BatchStream> IndexerClient::OpenBatchStream(const CallOptions& c
     stream->context_.set_wait_for_ready(call.wait_for_ready);
     Authorize(&stream->context_);
   }
+  stream->shapes_ = ShapesToCheck(call);
   stream->stream_ = stub_->BatchStream(&stream->context_);
   return stream;
 }
@@ -419,6 +531,9 @@ bool BatchStream::WritesDone() {
 }
 
 absl::StatusOr<v1::BatchResponse> BatchStream::Step(const v1::BatchRequest& request) {
+  if (shapes_) {
+    if (absl::Status s = CheckShapes(*shapes_, request); !s.ok()) return s;
+  }
   v1::BatchResponse response;
   if (Write(request) && Read(&response)) return response;
   absl::Status status = Finish();

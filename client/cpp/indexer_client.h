@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -119,12 +120,24 @@ absl::StatusOr<Selection> ParseSelection(const v1::SelectBlocksResponse& respons
 
 // ---------------------------------------------------------------------------------------------
 // Request builders (pure functions). They only pack; the server validates.
+//
+// Keys and queries travel as bytes, and the server derives the token count from their size: a
+// caller whose head_dim differs from the server's would be answered for other shapes. So the
+// builders that take `num_tokens` put it in the request, and the server (and IndexerClient,
+// before sending) refuses bytes that are not num_tokens tokens of the server's shape. Prefer
+// them; the ones without send no count.
 
 // An append of `keys` ([n][head_dim], or [n][layers][head_dim] with all_layers) to one layer.
 v1::AppendKeysRequest MakeAppend(absl::string_view sequence_id, uint32_t layer,
                                  std::span<const float> keys,
                                  v1::ValueDtype dtype = v1::VALUE_DTYPE_BF16);
+v1::AppendKeysRequest MakeAppend(absl::string_view sequence_id, uint32_t layer,
+                                 uint32_t num_tokens, std::span<const float> keys,
+                                 v1::ValueDtype dtype = v1::VALUE_DTYPE_BF16);
 v1::AppendKeysRequest MakeAppendAllLayers(absl::string_view sequence_id,
+                                          std::span<const float> keys,
+                                          v1::ValueDtype dtype = v1::VALUE_DTYPE_BF16);
+v1::AppendKeysRequest MakeAppendAllLayers(absl::string_view sequence_id, uint32_t num_tokens,
                                           std::span<const float> keys,
                                           v1::ValueDtype dtype = v1::VALUE_DTYPE_BF16);
 // A selection for queries [n][num_heads][head_dim]; topk etc. left to the server's defaults
@@ -132,6 +145,25 @@ v1::AppendKeysRequest MakeAppendAllLayers(absl::string_view sequence_id,
 v1::SelectBlocksRequest MakeSelect(absl::string_view sequence_id, uint32_t layer,
                                    uint32_t num_heads, std::span<const float> queries,
                                    v1::ValueDtype dtype = v1::VALUE_DTYPE_BF16);
+v1::SelectBlocksRequest MakeSelect(absl::string_view sequence_id, uint32_t layer,
+                                   uint32_t num_heads, uint32_t num_tokens,
+                                   std::span<const float> queries,
+                                   v1::ValueDtype dtype = v1::VALUE_DTYPE_BF16);
+
+// The server's tensor shapes (ServerInfo's head_dim and layers), for CheckShapes.
+struct ServerShapes {
+  uint32_t head_dim = 0;
+  uint32_t layers = 0;
+};
+ServerShapes ShapesOf(const v1::ServerInfoResponse& info);
+
+// INVALID_ARGUMENT, naming the field, the server's head_dim (and layers) and what to fix, when
+// a request states num_tokens and its keys or queries are not that many tokens of the server's
+// shape. What the server would refuse, said before anything is sent; requests that state no
+// count are left to the server's own checks.
+absl::Status CheckShapes(const ServerShapes& shapes, const v1::AppendKeysRequest& request);
+absl::Status CheckShapes(const ServerShapes& shapes, const v1::SelectBlocksRequest& request);
+absl::Status CheckShapes(const ServerShapes& shapes, const v1::BatchRequest& request);
 
 // ---------------------------------------------------------------------------------------------
 // The client.
@@ -155,6 +187,11 @@ struct ClientOptions {
   std::string tls_server_name;
   // Sent with every call as "authorization: Bearer <token>" (empty: no token).
   std::string bearer_token;
+  // Check the keys and queries of AppendKeys, SelectBlocks, Batch and BatchStream::Step against
+  // the server's head_dim and layers before sending (CheckShapes: INVALID_ARGUMENT, nothing
+  // sent). The shapes come from one ServerInfo call, made before the first such call; while it
+  // fails, calls go unchecked (the server still checks num_tokens).
+  bool check_shapes = true;
 
   bool UsesTls() const {
     return tls || !tls_root_ca_pem.empty() || !tls_cert_chain_pem.empty() ||
@@ -255,9 +292,17 @@ class IndexerClient {
   absl::StatusOr<Response> Call(
       grpc::Status (v1::Indexer::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
       const Request& request, const CallOptions& call);
+  // The server's shapes for CheckShapes, asked once (ServerInfo under `call`'s deadline);
+  // nullopt when check_shapes is off or the server did not answer.
+  std::optional<ServerShapes> ShapesToCheck(const CallOptions& call);
+  // CheckShapes against ShapesToCheck; OK when there are none.
+  template <typename Request>
+  absl::Status CheckBeforeSending(const Request& request, const CallOptions& call);
 
   std::shared_ptr<grpc::Channel> channel_;
   ClientOptions options_;
+  std::mutex shapes_mu_;
+  std::optional<ServerShapes> shapes_;  // guarded by shapes_mu_
   std::unique_ptr<v1::Indexer::Stub> stub_;
   std::unique_ptr<v1::IndexerAdmin::Stub> admin_stub_;
 };
@@ -278,7 +323,8 @@ class BatchStream {
   // Receives the next response. False when the server closed the stream (call Finish()).
   bool Read(v1::BatchResponse* response);
   // Write, then Read: one synchronous round trip. On failure returns the stream's final status
-  // (after finishing it), or UNKNOWN if the server closed the stream with OK.
+  // (after finishing it), or UNKNOWN if the server closed the stream with OK. A request that
+  // fails CheckShapes (with check_shapes on) is INVALID_ARGUMENT, not sent, the stream intact.
   absl::StatusOr<v1::BatchResponse> Step(const v1::BatchRequest& request);
   // Tells the server no more requests follow.
   bool WritesDone();
@@ -295,6 +341,7 @@ class BatchStream {
 
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::BatchRequest, v1::BatchResponse>> stream_;
+  std::optional<ServerShapes> shapes_;  // Step checks requests against them when set
   bool writes_done_ = false;
   bool finished_ = false;
 };

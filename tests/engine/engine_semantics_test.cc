@@ -583,6 +583,38 @@ TEST_F(EngineTest, SpansMustLieInsideTheLayersLength) {
   ExpectSelects("a", 0, 10);
 }
 
+// The idle TTL releases only sequences no call has named: reading one (Get) names it.
+TEST_F(EngineTest, GetKeepsASequenceFromTheIdleTtl) {
+  AppendOk("read", 0, 10);
+  AppendOk("idle", 0, 10);
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_TRUE(engine_->Get("read").ok());
+  EXPECT_EQ(engine_->ReclaimIdle(absl::Milliseconds(200)), 1);
+  EXPECT_TRUE(engine_->Get("read").ok()) << "reclaimed although just read";
+  EXPECT_EQ(engine_->Get("idle").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Once the server abandons selections (shutdown past the drain), a selection fails with
+// CANCELLED and its step, append included, is rolled back; appends alone still apply.
+TEST_F(EngineTest, AbandonedSelectionsFailCancelledAndApplyNothing) {
+  AppendOk("a", 0, 200);
+  engine_->AbandonSelections();
+  const std::string k = Bytes(Keys(1));
+  const std::string q = Bytes(Keys(1));
+  StepRequest s;
+  s.sequence_id = "a";
+  s.num_heads = 1;
+  s.query_dtype = WireDtype::kBf16;
+  s.queries = q;
+  s.append.emplace();
+  s.append->dtype = WireDtype::kBf16;
+  s.append->keys = k;
+  EXPECT_EQ(engine_->Select(s).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(engine_->Get("a")->lengths[0], 200);
+  AppendOk("a", 0, 5);
+  EXPECT_EQ(engine_->Get("a")->lengths[0], 205);
+}
+
 TEST_F(EngineTest, UnknownSequencesAreNotFound) {
   AppendOk("a", 0, 10);
   EXPECT_STATUS(SelectQueries(*engine_, "nope", Keys(1), {}).status(), kNotFound, "nope");

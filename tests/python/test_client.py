@@ -138,6 +138,9 @@ class IndexerClientTest(unittest.TestCase):
                          ("cpu", HEAD_DIM, LAYERS, CAPACITY))
         self.assertEqual((info.block_size, info.default_topk, info.default_local_blocks), (128, 16, 1))
         self.assertEqual((info.key_storage, info.tenant), ("bf16", ""))
+        self.assertGreater(info.max_query_tokens, 0)
+        self.assertGreater(info.max_batch_items, 0)
+        self.assertEqual(info.tenant_max_sequences, 0)
         import grpc as grpc_module
         self.assertEqual(len(grpc_module.__path__), 1, "health checks must not extend grpc.__path__")
 

@@ -24,6 +24,8 @@ namespace indexer::testing {
 
 void WriteFile(const std::string& path, const std::string& contents, int mode = 0600);
 bool FileExists(const std::string& path);
+// The names in a folder (not . and ..), sorted; empty when it cannot be read.
+std::vector<std::string> FolderEntries(const std::string& path);
 
 // Test PKI made by make_test_certs.sh (path from $INDEXER_MAKE_TEST_CERTS) in `dir`: file paths
 // and PEM contents of a CA, a server certificate for 127.0.0.1, a client certificate it signed

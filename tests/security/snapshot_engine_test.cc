@@ -3,6 +3,8 @@
 // atomic writes, and snapshots taken while other calls run.
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -129,7 +131,7 @@ TEST_P(SnapshotRoundTrip, RestoredEngineAnswersIdenticallyAndKeepsSharing) {
   ASSERT_TRUE(before->WriteSnapshot(dir.File("s.snap"), &written).ok());
   EXPECT_EQ(written.sequences, static_cast<int64_t>(kIds.size()));
   EXPECT_EQ(written.pages, before->Stats().total_pages - before->Stats().free_pages);
-  EXPECT_FALSE(FileExists(dir.File("s.snap.tmp")));
+  EXPECT_THAT(FolderEntries(dir.path()), ::testing::ElementsAre("s.snap"));
 
   auto after = MakeEngine(config);
   engine::SnapshotStats restored;
@@ -349,7 +351,7 @@ TEST(SnapshotWrite, AFailedWriteLeavesThePreviousFileAndNoPartialOne) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
   EXPECT_THAT(std::string(s.message()), HasSubstr("injected"));
   EXPECT_EQ(ReadFile(path), previous);
-  EXPECT_FALSE(FileExists(path + ".tmp"));
+  EXPECT_THAT(FolderEntries(dir.path()), ::testing::ElementsAre("state.snap"));
 
   // Disk full halfway: the file size limit makes write() fail with EFBIG.
   failing->fail = false;
@@ -367,7 +369,7 @@ TEST(SnapshotWrite, AFailedWriteLeavesThePreviousFileAndNoPartialOne) {
   EXPECT_EQ(full.code(), absl::StatusCode::kInternal) << full;
   EXPECT_THAT(std::string(full.message()), HasSubstr("cannot write snapshot file"));
   EXPECT_EQ(ReadFile(path), previous);
-  EXPECT_FALSE(FileExists(path + ".tmp"));
+  EXPECT_THAT(FolderEntries(dir.path()), ::testing::ElementsAre("state.snap"));
 
   // A folder that does not exist: nothing is created anywhere.
   EXPECT_FALSE(e.WriteSnapshot(dir.File("no/such/folder.snap")).ok());
@@ -375,6 +377,41 @@ TEST(SnapshotWrite, AFailedWriteLeavesThePreviousFileAndNoPartialOne) {
   // The engine kept serving and writes fine afterwards.
   ASSERT_TRUE(e.WriteSnapshot(path).ok());
   EXPECT_NE(ReadFile(path), previous);
+}
+
+// A file or link already at the old fixed temporary name must neither lend its mode to the
+// snapshot nor redirect the write outside the folder.
+TEST(SnapshotWrite, StaleTemporaryFilesAndLinksAreNeitherReusedNorFollowed) {
+  TempDir dir;
+  TempDir outside;
+  const EngineConfig config = SmallConfig();
+  auto e = MakeEngine(config);
+  std::mt19937 rng(9);
+  Populate(*e, rng);
+  const std::string open_path = dir.File("open.snap");
+  WriteFile(open_path + ".tmp", "stale", 0666);
+  const std::string target = outside.File("target");
+  WriteFile(target, "keep me", 0644);
+  const std::string linked_path = dir.File("linked.snap");
+  ASSERT_EQ(symlink(target.c_str(), (linked_path + ".tmp").c_str()), 0);
+  {
+    const mode_t old = umask(0);
+    const absl::Status open_status = e->WriteSnapshot(open_path);
+    const absl::Status linked_status = e->WriteSnapshot(linked_path);
+    umask(old);
+    ASSERT_TRUE(open_status.ok()) << open_status;
+    ASSERT_TRUE(linked_status.ok()) << linked_status;
+  }
+  for (const std::string& path : {open_path, linked_path}) {
+    struct stat st {};
+    ASSERT_EQ(lstat(path.c_str(), &st), 0) << path;
+    EXPECT_TRUE(S_ISREG(st.st_mode)) << path << " is not a regular file";
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << path;
+    EXPECT_TRUE(MakeEngine(config)->RestoreSnapshot(path).ok()) << path;
+  }
+  EXPECT_TRUE(ReadFile(target) == "keep me") << "the link's target was overwritten";
+  EXPECT_TRUE(ReadFile(open_path + ".tmp") == "stale") << "the stale file was reused";
+  EXPECT_THAT(FolderEntries(outside.path()), ::testing::ElementsAre("target"));
 }
 
 TEST(SnapshotWrite, SnapshotsTakenWhileCallsRunAreConsistent) {

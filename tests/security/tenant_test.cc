@@ -160,5 +160,39 @@ TEST_F(TenantTest, PageQuotasStopATenantWithoutTouchingOthers) {
   ExpectSelectionMatches(*beta_, again, "q3");
 }
 
+// Zero-page forks cost no quota, so without a per-tenant sequence limit one tenant could fill
+// max_sequences and lock the others out. With --tenant_max_sequences it is stopped at its own
+// limit, and the others still create theirs.
+TEST_F(TenantTest, ASequenceLimitPerTenantKeepsOneTenantFromLockingOthersOut) {
+  options_.engine.max_sequences = 6;
+  options_.engine.tenant_max_sequences = 4;
+  server_.reset();
+  server_ = StartServer(options_);
+  ASSERT_NE(server_, nullptr);
+  alpha_ = ConnectTo(server_->port(), WithToken(kAlphaToken));
+  beta_ = ConnectTo(server_->port(), WithToken(kBetaToken));
+
+  HostSequence root(2, 64);
+  ASSERT_TRUE(Append(*alpha_, root, "root", 10).ok());
+  for (int i = 1; i < 4; ++i) {
+    ASSERT_TRUE(alpha_->ForkSequence("root", absl::StrCat("f", i), 0).ok()) << i;
+  }
+  const absl::Status more = alpha_->ForkSequence("root", "f4", 0).status();
+  EXPECT_EQ(more.code(), absl::StatusCode::kResourceExhausted) << more;
+  EXPECT_THAT(std::string(more.message()), HasSubstr("tenant_max_sequences 4"));
+  EXPECT_EQ(alpha_->ServerInfo()->tenant_sequences(), 4u);
+  EXPECT_EQ(alpha_->ServerInfo()->tenant_max_sequences(), 4u);
+
+  HostSequence b1(2, 64), b2(2, 64);
+  ASSERT_TRUE(Append(*beta_, b1, "b1", 10).ok()) << "beta is not locked out by alpha";
+  ASSERT_TRUE(Append(*beta_, b2, "b2", 10).ok());
+  EXPECT_EQ(beta_->ServerInfo()->tenant_sequences(), 2u);
+  // The pool-wide limit still holds over both.
+  HostSequence b3(2, 64);
+  absl::StatusOr<v1::AppendKeysResponse> full = Append(*beta_, b3, "b3", 10);
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(full.status().message()), HasSubstr("max_sequences 6"));
+}
+
 }  // namespace
 }  // namespace indexer::testing

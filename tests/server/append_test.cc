@@ -18,6 +18,44 @@ std::vector<uint32_t> Lengths(const google::protobuf::RepeatedField<uint32_t>& l
 
 class AppendTest : public ServerTest {};
 
+// The silent-shape hazard: a client built for head_dim 32 sends two tokens' keys, which the
+// head_dim-64 server would read as one token. The stated num_tokens makes that an error: the
+// client refuses before sending, and the server refuses when the client does not check.
+TEST_F(AppendTest, KeysOfAnotherHeadDimAreRefusedNotReadAsOtherTokens) {
+  const std::vector<float> keys = IntValues(rng_, 2 * 32);
+  const absl::Status in_client = client_->AppendKeys(client::MakeAppend("w1", 0, 2, keys)).status();
+  EXPECT_EQ(in_client.code(), absl::StatusCode::kInvalidArgument) << in_client;
+  EXPECT_THAT(std::string(in_client.message()), HasSubstr("head_dim 64"));
+
+  client::ClientOptions unchecked;
+  unchecked.check_shapes = false;
+  absl::StatusOr<std::unique_ptr<IndexerClient>> raw =
+      IndexerClient::Connect(absl::StrCat("127.0.0.1:", server_->port()), unchecked);
+  ASSERT_TRUE(raw.ok());
+  const absl::Status in_server = (*raw)->AppendKeys(client::MakeAppend("w1", 0, 2, keys)).status();
+  EXPECT_EQ(in_server.code(), absl::StatusCode::kInvalidArgument) << in_server;
+  EXPECT_THAT(std::string(in_server.message()), HasSubstr("num_tokens says 2"));
+  EXPECT_EQ(client_->GetSequence("w1").status().code(), absl::StatusCode::kNotFound);
+
+  ASSERT_NO_FATAL_FAILURE(AppendRandom("w1", 0, 200));
+  const std::vector<float> q = IntValues(rng_, 2 * 4 * 32);  // [2][4 heads][32]
+  for (IndexerClient* c : {client_.get(), raw->get()}) {
+    const absl::Status select = c->SelectBlocks(client::MakeSelect("w1", 0, 4, 2, q)).status();
+    EXPECT_EQ(select.code(), absl::StatusCode::kInvalidArgument) << select;
+    v1::BatchRequest batch;
+    *batch.add_items() = client::MakeSelect("w1", 0, 4, 2, q);
+    absl::StatusOr<v1::BatchResponse> r = c->Batch(batch);
+    const absl::Status item = r.ok() ? client::ItemStatus(r->results(0)) : r.status();
+    EXPECT_EQ(item.code(), absl::StatusCode::kInvalidArgument) << item;
+    std::unique_ptr<client::BatchStream> stream = c->OpenBatchStream();
+    absl::StatusOr<v1::BatchResponse> streamed = stream->Step(batch);
+    const absl::Status step = streamed.ok() ? client::ItemStatus(streamed->results(0))
+                                            : streamed.status();
+    EXPECT_EQ(step.code(), absl::StatusCode::kInvalidArgument) << step;
+  }
+  EXPECT_EQ(client_->GetSequence("w1")->lengths(0), 200u);
+}
+
 TEST_F(AppendTest, CreatesOnFirstAppendAndReportsLengthsPerLayer) {
   std::vector<float> keys = IntValues(rng_, 100 * head_dim());
   absl::StatusOr<v1::AppendKeysResponse> r = client_->AppendKeys(client::MakeAppend("a", 0, keys));

@@ -20,6 +20,31 @@ class BatchTest : public ServerTest {
   }
 };
 
+// A Batch whose answer cannot be sent fails whole and applies nothing, counting the failed
+// items' messages too: one good append among 2,000 items with nothing to do, each of which would
+// answer an error, on a server that sends at most 64 KiB.
+TEST_F(BatchTest, ABatchWhoseErrorsAloneDoNotFitAppliesNothing) {
+  options_.max_message_bytes = 65536;
+  Restart();
+  const int64_t free_before = FreePages();
+  v1::BatchRequest batch;
+  v1::SelectBlocksRequest* good = batch.add_items();
+  good->set_sequence_id("good");
+  *good->mutable_append() = client::MakeAppend("", 0, IntValues(rng_, 10 * head_dim()));
+  for (int i = 0; i < 2000; ++i) batch.add_items()->set_sequence_id("empty");
+  absl::StatusOr<v1::BatchResponse> r = client_->Batch(batch);
+  if (r.ok()) {
+    for (const v1::BatchItemResult& item : r->results()) {
+      EXPECT_NE(item.code(), 0) << "an item of a call that could not be answered succeeded";
+    }
+  } else {
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  }
+  EXPECT_EQ(client_->GetSequence("good").status().code(), absl::StatusCode::kNotFound)
+      << "the failed call applied its good append";
+  EXPECT_EQ(FreePages(), free_before);
+}
+
 TEST_F(BatchTest, ItemsHaveTheirOwnStatuses) {
   ASSERT_NO_FATAL_FAILURE(AppendRandom("a", 0, 300));
   ASSERT_NO_FATAL_FAILURE(AppendRandom("b", 0, 50));

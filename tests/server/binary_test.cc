@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
+#include <limits>
 #include <optional>
 #include <regex>
 #include <thread>
@@ -92,6 +94,30 @@ TEST_F(BinaryTest, AnAddressInUseGivesOneCleanMessage) {
   EXPECT_THAT(r.output, HasSubstr("--metrics_listen: cannot listen on"));
   kill(first->pid(), SIGTERM);
   EXPECT_EQ(first->Wait(absl::Seconds(20)), std::optional<int>(0));
+}
+
+// MemTotal of /proc/meminfo in GiB, rounded up; 0 when unknown.
+int64_t HostMemoryGib() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib) {
+    if (key == "MemTotal:") return (kib + (1 << 20) - 1) >> 20;
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return 0;
+}
+
+TEST_F(BinaryTest, ACpuPoolLargerThanTheHostsMemoryExitsWithStatus1NamingCapacity) {
+  const int64_t host_gib = HostMemoryGib();
+  if (host_gib == 0) GTEST_SKIP() << "no MemTotal in /proc/meminfo";
+  const std::string capacity = absl::StrCat("--capacity=", 4 * host_gib, "GiB");
+  const RunResult r =
+      RunToEnd({server_, "--device=cpu", "--listen=127.0.0.1:0", capacity});
+  EXPECT_EQ(r.code, 1) << capacity << ":\n" << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--capacity")) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("available")) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("bad_alloc"))) << r.output;
 }
 
 TEST_F(BinaryTest, HelpPrintsTheProgramsOwnSections) {

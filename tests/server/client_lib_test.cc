@@ -93,6 +93,41 @@ TEST(ClientPackTest, UnpackInt32) {
   EXPECT_NE(bad.status().message().find("block_ids"), absl::string_view::npos);
 }
 
+// A client whose model has head_dim 64 talking to a head_dim-128 server: the bytes of 2 tokens
+// are one token to the server, so only the stated num_tokens reveals the mistake.
+TEST(ClientShapesTest, StatedTokensThatDoNotMatchTheServersShapeAreRefusedNamingHeadDim) {
+  const ServerShapes server{128, 2};
+  const std::vector<float> keys(2 * 64, 1.0f);
+  EXPECT_TRUE(CheckShapes(server, MakeAppend("w1", 0, keys)).ok()) << "nothing stated";
+  const absl::Status append = CheckShapes(server, MakeAppend("w1", 0, 2, keys));
+  EXPECT_EQ(append.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(append.message().find("head_dim 128"), absl::string_view::npos) << append;
+  EXPECT_NE(append.message().find("num_tokens says 2"), absl::string_view::npos) << append;
+  EXPECT_TRUE(CheckShapes(server, MakeAppend("w1", 0, 1, keys)).ok());
+
+  const std::vector<float> rows(2 * 2 * 128, 1.0f);  // [2 tokens][layers 2][head_dim 128]
+  EXPECT_TRUE(CheckShapes(server, MakeAppendAllLayers("w1", 2, rows)).ok());
+  EXPECT_FALSE(CheckShapes(server, MakeAppendAllLayers("w1", 4, rows)).ok());
+  EXPECT_FALSE(CheckShapes(server, MakeAppendAllLayers("w1", 1, std::vector<float>(300))).ok())
+      << "not whole tokens";
+  EXPECT_TRUE(CheckShapes(server, MakeAppendAllLayers("w1", std::vector<float>(300))).ok())
+      << "no count stated: the server's own checks say what is wrong";
+
+  const std::vector<float> queries(2 * 4 * 64, 1.0f);  // [2][4 heads][64]
+  const absl::Status select = CheckShapes(server, MakeSelect("w1", 0, 4, 2, queries));
+  EXPECT_EQ(select.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(select.message().find("queries"), absl::string_view::npos) << select;
+  v1::SelectBlocksRequest step = MakeSelect("w1", 0, 4, 1, queries);
+  *step.mutable_append() = MakeAppend("", 0, 2, keys);
+  v1::BatchRequest batch;
+  *batch.add_items() = MakeSelect("w1", 0, 4, 1, queries);
+  *batch.add_items() = step;
+  const absl::Status in_batch = CheckShapes(server, batch);
+  EXPECT_EQ(in_batch.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(in_batch.message().find("items[1]: append: keys"), absl::string_view::npos)
+      << in_batch;
+}
+
 std::string Int32Bytes(const std::vector<int32_t>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
 }

@@ -248,6 +248,24 @@ TEST_F(IdleTtlTest, ReleasesOnlySequencesNoCallNamed) {
   EXPECT_EQ(StatValue(*stats, "indexer_sequences_reclaimed_total", {}), 1);
 }
 
+// GetSequence is how a client settles a call in doubt, so reading a sequence keeps it alive.
+TEST_F(IdleTtlTest, EveryCallNamingASequenceKeepsItAlive) {
+  ASSERT_NO_FATAL_FAILURE(AppendRandom("read", 0, 300));
+  ASSERT_NO_FATAL_FAILURE(AppendRandom("forked", 0, 300));
+  const absl::Time end = absl::Now() + absl::Milliseconds(2500);
+  int round = 0;
+  while (absl::Now() < end) {
+    ASSERT_TRUE(client_->GetSequence("read").ok()) << "reclaimed while being read";
+    // A fork names its source too; each fork is released again at once.
+    const std::string target = "fork-" + std::to_string(round++);
+    ASSERT_TRUE(client_->ForkSequence("forked", target).ok());
+    ASSERT_TRUE(client_->ReleaseSequence(target).ok());
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_TRUE(client_->GetSequence("read").ok());
+  EXPECT_TRUE(client_->GetSequence("forked").ok());
+}
+
 TEST(Promtool, FindsWhatItShould) {
   // The check below means something only if promtool complains about a bad exposition.
   std::optional<Promtool> bad = CheckWithPromtool(

@@ -212,5 +212,39 @@ TEST_F(SequenceTest, ForkErrors) {
   ASSERT_NO_FATAL_FAILURE(ExpectSelectsLikeHost("empty", 0, 1, "grown empty fork"));
 }
 
+class TenantSequenceLimitTest : public ServerTest {
+ protected:
+  void SetUp() override {
+    options_.engine.tenant_max_sequences = 2;
+    ServerTest::SetUp();
+  }
+};
+
+// --tenant_max_sequences counts the caller's tenant (here the default one) like max_sequences
+// counts everyone: appends and forks that would create one more are refused naming the limit,
+// and apply nothing.
+TEST_F(TenantSequenceLimitTest, CreatingPastTheLimitIsRefusedNamingIt) {
+  ASSERT_NO_FATAL_FAILURE(AppendRandom("a", 0, 10));
+  ASSERT_TRUE(client_->ForkSequence("a", "b", 0).ok()) << "a zero-page fork counts too";
+  const int64_t free_before = FreePages();
+  std::vector<float> keys = IntValues(rng_, 10 * head_dim());
+  const absl::Status append = client_->AppendKeys(client::MakeAppend("c", 0, keys)).status();
+  EXPECT_EQ(append.code(), absl::StatusCode::kResourceExhausted) << append;
+  EXPECT_THAT(std::string(append.message()), HasSubstr("tenant_max_sequences 2"));
+  const absl::Status fork = client_->ForkSequence("a", "d").status();
+  EXPECT_EQ(fork.code(), absl::StatusCode::kResourceExhausted) << fork;
+  EXPECT_THAT(std::string(fork.message()), HasSubstr("tenant_max_sequences"));
+  EXPECT_EQ(client_->GetSequence("c").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(FreePages(), free_before);
+  absl::StatusOr<v1::ServerInfoResponse> info = client_->ServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tenant_sequences(), 2u);
+  EXPECT_EQ(info->tenant_max_sequences(), 2u);
+  // Appending to a sequence it holds is fine; releasing one makes room.
+  ASSERT_NO_FATAL_FAILURE(AppendRandom("a", 0, 10));
+  ASSERT_TRUE(client_->ReleaseSequence("b").ok());
+  EXPECT_TRUE(client_->AppendKeys(client::MakeAppend("c", 0, keys)).ok());
+}
+
 }  // namespace
 }  // namespace indexer::testing

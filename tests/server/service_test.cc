@@ -44,6 +44,10 @@ TEST_F(ServiceTest, ServerInfoDescribesTheConfiguration) {
   EXPECT_EQ(info->live_sequences(), 1u);
   EXPECT_EQ(info->max_tokens_per_sequence(), 4096u);
   EXPECT_EQ(info->max_message_bytes(), 1u << 20);
+  EXPECT_EQ(info->max_query_tokens(), 512u);
+  EXPECT_EQ(info->max_batch_items(), 16u);
+  EXPECT_EQ(info->tenant_sequences(), 1u);
+  EXPECT_EQ(info->tenant_max_sequences(), 0u);
 }
 
 TEST_F(ServiceTest, HealthIsServingForTheServerAndTheIndexerService) {

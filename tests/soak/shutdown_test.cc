@@ -265,5 +265,85 @@ TEST(ShutdownUnderLoad, SigtermWhileClientsRunAnswersOrRefusesEveryCallAndExitsZ
   EXPECT_EQ(restored->Wait(absl::Seconds(20)), std::optional<int>(0));
 }
 
+// Selections still running when the drain time is up are abandoned: the process writes its
+// snapshot and exits soon after the drain instead of computing answers nobody will receive, and
+// an idle client connection does not hold it up either. The selections are sized so that
+// finishing even one would take many times the drain.
+TEST(ShutdownPastTheDrain, RunningSelectionsAreAbandonedAndTheSnapshotIsWritten) {
+  TempDir dir;
+  const std::string snapshot = dir.File("past-drain.snap");
+  constexpr double kDrain = 1;
+  int port = 0;
+  std::unique_ptr<Child> server = StartServerBinary(
+      {"--head_dim=64", "--capacity=4096", "--cpu_threads=1", "--handler_threads=8",
+       absl::StrCat("--drain_seconds=", kDrain), "--not_serving_seconds=0",
+       absl::StrCat("--snapshot_on_shutdown=", snapshot)},
+      &port);
+  ASSERT_NE(server, nullptr);
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+  absl::StatusOr<std::unique_ptr<IndexerClient>> idle = IndexerClient::Connect(target);
+  ASSERT_TRUE(idle.ok());
+  ASSERT_TRUE((*idle)->WaitUntilServing(absl::Seconds(20)).ok());
+
+  std::mt19937 rng(3);
+  constexpr int kLong = 8192;
+  constexpr int kHeads = 16;
+  ASSERT_TRUE((*idle)
+                  ->AppendKeys(client::MakeAppend("long", 0,
+                                                  IntValues(rng, size_t{kLong} * kHeadDim)))
+                  .ok());
+  const auto select = [&](IndexerClient& c, int tokens, std::mt19937& r) {
+    return c.Select(client::MakeSelect("long", 0, kHeads,
+                                       IntValues(r, size_t{kHeads} * tokens * kHeadDim)),
+                    CallOptions::Timeout(absl::Seconds(120)))
+        .status();
+  };
+  // Each selection takes about 8 s on its own (measured here, so that slower builds get as much
+  // work): finishing even the first would take far past the drain.
+  absl::Time t0 = absl::Now();
+  ASSERT_TRUE(select(**idle, 64, rng).ok());
+  const double per_token = absl::ToDoubleSeconds(absl::Now() - t0) / 64;
+  const int tokens = std::clamp(static_cast<int>(8.0 / per_token), 64, kLong);
+
+  // Requests and connections are made first, so that every selection is on its way at SIGTERM.
+  std::vector<v1::SelectBlocksRequest> requests;
+  std::vector<std::unique_ptr<IndexerClient>> clients;
+  for (int i = 0; i < kClients; ++i) {
+    requests.push_back(client::MakeSelect("long", 0, kHeads,
+                                          IntValues(rng, size_t{kHeads} * tokens * kHeadDim)));
+    absl::StatusOr<std::unique_ptr<IndexerClient>> c = IndexerClient::Connect(target);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE((*c)->WaitUntilServing(absl::Seconds(20)).ok());
+    clients.push_back(*std::move(c));
+  }
+  std::atomic<int> answered{0}, sent{0};
+  std::vector<std::thread> slow;
+  for (int i = 0; i < kClients; ++i) {
+    slow.emplace_back([&, i] {
+      ++sent;
+      const absl::Status s =
+          clients[i]->Select(requests[i], CallOptions::Timeout(absl::Seconds(120))).status();
+      if (s.ok()) ++answered;
+    });
+  }
+  while (sent.load() < kClients) absl::SleepFor(absl::Milliseconds(10));
+  absl::SleepFor(absl::Seconds(1));  // every selection arrived, running or queued
+  const absl::Time sigterm = absl::Now();
+  ASSERT_EQ(kill(server->pid(), SIGTERM), 0);
+  const std::optional<int> code = server->Wait(absl::Seconds(60));
+  const absl::Duration exit_after = absl::Now() - sigterm;
+  for (std::thread& t : slow) t.join();
+  std::printf("past the drain: %d tokens per selection, exit %d after %.2f s, %d of %d answered\n",
+              tokens, code.value_or(-1000), absl::ToDoubleSeconds(exit_after), answered.load(),
+              kClients);
+  ASSERT_TRUE(code.has_value()) << server->Log();
+  EXPECT_EQ(*code, 0) << server->Log();
+  EXPECT_LT(exit_after, absl::Seconds(kDrain + 3))
+      << "the server went on computing past the drain\n" << server->Log();
+  EXPECT_EQ(answered.load(), 0) << "the selections were too quick to test anything";
+  EXPECT_THAT(server->Log(), ::testing::HasSubstr("snapshot on shutdown: 1 sequences"));
+  EXPECT_FALSE(ReadFile(snapshot).empty()) << "no snapshot at " << snapshot;
+}
+
 }  // namespace
 }  // namespace indexer::testing

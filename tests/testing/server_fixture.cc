@@ -123,7 +123,7 @@ HostSequence& ServerTest::Host(const std::string& id) {
 void ServerTest::AppendRandom(const std::string& id, int layer, int tokens,
                               std::vector<int32_t> attn) {
   const std::vector<float> keys = IntValues(rng_, static_cast<size_t>(tokens) * head_dim());
-  v1::AppendKeysRequest request = client::MakeAppend(id, layer, keys);
+  v1::AppendKeysRequest request = client::MakeAppend(id, layer, tokens, keys);
   for (int32_t a : attn) request.add_attention_pages(a);
   absl::StatusOr<v1::AppendKeysResponse> r = client_->AppendKeys(request);
   ASSERT_TRUE(r.ok()) << r.status();
@@ -134,7 +134,7 @@ void ServerTest::AppendRandom(const std::string& id, int layer, int tokens,
 void ServerTest::AppendRandomAllLayers(const std::string& id, int tokens, std::vector<int32_t> attn) {
   const std::vector<float> keys =
       IntValues(rng_, static_cast<size_t>(tokens) * layers() * head_dim());
-  v1::AppendKeysRequest request = client::MakeAppendAllLayers(id, keys);
+  v1::AppendKeysRequest request = client::MakeAppendAllLayers(id, tokens, keys);
   for (int32_t a : attn) request.add_attention_pages(a);
   absl::StatusOr<v1::AppendKeysResponse> r = client_->AppendKeys(request);
   ASSERT_TRUE(r.ok()) << r.status();
@@ -145,7 +145,7 @@ void ServerTest::AppendRandomAllLayers(const std::string& id, int tokens, std::v
 v1::SelectBlocksRequest ServerTest::RandomSelect(const std::string& id, int layer, int heads,
                                                  int tokens, std::vector<float>* queries) {
   *queries = IntValues(rng_, static_cast<size_t>(tokens) * heads * head_dim());
-  return client::MakeSelect(id, layer, heads, *queries);
+  return client::MakeSelect(id, layer, heads, tokens, *queries);
 }
 
 int64_t ServerTest::FreePages() {

@@ -89,8 +89,9 @@ class SequenceInfo:
 
 @dataclass(frozen=True)
 class ServerInfo:
-    """ServerInfo: the server's configuration, defaults, capacity and use (pages), and the
-    caller's tenant. key_storage is "bf16" or "fp8_e4m3"."""
+    """ServerInfo: the server's configuration, defaults, limits, capacity and use (pages), and
+    the caller's tenant (its pages and sequences, with their limits; 0: none). key_storage is
+    "bf16" or "fp8_e4m3"."""
 
     version: str
     backend: str
@@ -116,6 +117,10 @@ class ServerInfo:
     tenant_pages: int
     tenant_page_quota: int
     max_sequences: int
+    max_query_tokens: int
+    max_batch_items: int
+    tenant_sequences: int
+    tenant_max_sequences: int
 
     @classmethod
     def from_proto(cls, r) -> "ServerInfo":

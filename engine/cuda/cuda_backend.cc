@@ -98,6 +98,9 @@ class CudaBackend final : public KeyCacheBackend {
 
   CudaBackendCounters counters() const;
   std::vector<BackendCounter> Counters() const override;
+  // Steps with selections that start from now on fail at once with CANCELLED; steps already on
+  // the device run to their end (milliseconds), since their staging stays in use until then.
+  void AbandonSelections() override { abandoned_.store(true, std::memory_order_relaxed); }
 
  private:
   static CudaBackendOptions Normalized(CudaBackendOptions o) {
@@ -170,6 +173,7 @@ class CudaBackend final : public KeyCacheBackend {
   LanePool lanes_;
   LanePool copy_lanes_;
 
+  std::atomic<bool> abandoned_{false};
   std::atomic<int64_t> selects_{0}, graph_launches_{0}, graph_builds_{0}, graph_node_updates_{0},
       graph_fallbacks_{0}, buffer_growths_{0};
 };
@@ -383,6 +387,12 @@ void CudaBackend::Run(const BackendStep& step, const kernels::PageTableParams& p
                       StepDone done) {
   if (absl::Status failed = failure_.Check(); !failed.ok()) {
     std::move(done)(StepStatus{failed, failed, {}});
+    return;
+  }
+  if (!step.selects.empty() && abandoned_.load(std::memory_order_relaxed)) {
+    const absl::Status cancelled =
+        absl::CancelledError("the selection was abandoned: the server is shutting down");
+    std::move(done)(StepStatus{cancelled, cancelled, {}});
     return;
   }
   const absl::Time start = absl::Now();

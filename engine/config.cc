@@ -19,7 +19,7 @@ std::string TenantLabel(absl::string_view tenant) {
 }
 
 const char* KeyStorageName(kernels::KeyStorage s) {
-  return s == kernels::KeyStorage::kBf16 ? "bf16" : "fp8";
+  return kernels::KeyStorageName(s);
 }
 
 absl::Status EngineConfig::Validate() const {

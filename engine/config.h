@@ -54,7 +54,7 @@ struct EngineConfig {
 
   // Bytes one page occupies across all layers.
   int64_t BytesPerPage() const {
-    return int64_t{kernels::kBlockSize} * head_dim * kernels::KeyStorageBytes(key_storage) * layers;
+    return kernels::PageBytes(key_storage, head_dim) * layers;
   }
   int64_t MaxBlocksPerSequence() const {
     return (max_tokens_per_sequence + kernels::kBlockSize - 1) / kernels::kBlockSize;

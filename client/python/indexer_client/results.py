@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-_KEY_STORAGE = {0: "unspecified", 1: "bf16", 2: "fp8_e4m3"}
+_KEY_STORAGE = {0: "unspecified", 1: "bf16", 2: "fp8_e4m3", 3: "fp4_e2m1"}
 
 
 def _lengths(values) -> np.ndarray:
@@ -90,7 +90,7 @@ class SequenceInfo:
 @dataclass(frozen=True)
 class ServerInfo:
     """ServerInfo: the server's configuration, defaults, capacity and use (pages), and the
-    caller's tenant. key_storage is "bf16" or "fp8_e4m3"."""
+    caller's tenant. key_storage is "bf16", "fp8_e4m3" or "fp4_e2m1"."""
 
     version: str
     backend: str

@@ -18,10 +18,6 @@ std::string TenantLabel(absl::string_view tenant) {
   return tenant.empty() ? std::string("the default tenant") : absl::StrCat("tenant '", tenant, "'");
 }
 
-const char* KeyStorageName(kernels::KeyStorage s) {
-  return kernels::KeyStorageName(s);
-}
-
 absl::Status EngineConfig::Validate() const {
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
     return absl::InvalidArgumentError(

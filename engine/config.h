@@ -64,6 +64,7 @@ struct EngineConfig {
   absl::Status Validate() const;
 };
 
-const char* KeyStorageName(kernels::KeyStorage s);
+// "bf16", "fp8" or "fp4".
+using kernels::KeyStorageName;
 
 }  // namespace indexer::engine

@@ -71,7 +71,7 @@ fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
   step "kernel benchmark"
-  $bundle/indexer-kernel-bench --preset=all --storage=both > "$out/kernel_bench.jsonl" 2>&1 || status=1
+  $bundle/indexer-kernel-bench --preset=all --storage=all > "$out/kernel_bench.jsonl" 2>&1 || status=1
   grep -v '^{' "$out/kernel_bench.jsonl"
   step "where the decode time goes (--timeline: %globaltimer stamps of one run per case)"
   $bundle/indexer-kernel-bench --preset=decode --storage=bf16 --reps=20 --timeline 2>&1 | grep -v '^{' \

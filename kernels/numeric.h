@@ -199,6 +199,15 @@ INDEXER_HD uint8_t QuantizeFp4Group(const uint16_t* bf16, uint8_t* codes) {
   return scale;
 }
 
+// Eight e2m1 codes (nibble k of `w` is value k) rewritten as e4m3 bytes, for the GPU's exact
+// e4m3 -> f16 conversion: code sign | exponent << 3 | mantissa << 2 is the e4m3 value code * 2^-6
+// (the e2m1 subnormal 0.5 is the e4m3 subnormal 2^-7). Byte j of *even is value 2j, byte j of
+// *odd value 2j + 1.
+INDEXER_HD void Fp4CodesToE4M3(uint32_t w, uint32_t* even, uint32_t* odd) {
+  *even = ((w << 2) & 0x1c1c1c1cu) | ((w << 4) & 0x80808080u);
+  *odd = ((w >> 2) & 0x1c1c1c1cu) | (w & 0x80808080u);
+}
+
 // Where keys sit in one layer's pool. bf16 and fp8: page p's key t, value d, is element
 // (p * kBlockSize + t) * head_dim + d. fp4: page p's bytes begin at p * PageBytes; its 128 keys'
 // codes come first (key t at t * head_dim / 2, value d in byte d / 2, low nibble for even d),

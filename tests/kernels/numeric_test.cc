@@ -528,6 +528,44 @@ TEST(Fp4Group, RandomGroupsMatchTheDefinition) {
   }
 }
 
+// The GPU decoder's rewrite of e2m1 codes as e4m3 bytes: every code, in every nibble of a word,
+// becomes an e4m3 byte of exactly code * 2^-6, and code * 2^-6 times scale * 2^6 is code * scale
+// for every scale (the products the decode selector forms in f16; all of them exact there too:
+// at most 6 significant bits, magnitudes in [2^-10, 2688]).
+TEST(Fp4E2M1, CodesRewrittenAsE4M3BytesKeepTheirValues) {
+  for (int pos = 0; pos < 8; ++pos) {
+    for (uint32_t code = 0; code < 16; ++code) {
+      // Nibble k holds k, but nibble pos holds `code`.
+      const uint32_t w = (0x76543210u & ~(0xfu << (4 * pos))) | (code << (4 * pos));
+      uint32_t even, odd;
+      Fp4CodesToE4M3(w, &even, &odd);
+      for (int k = 0; k < 8; ++k) {
+        const uint32_t bytes = k % 2 == 0 ? even : odd;
+        const uint8_t byte = static_cast<uint8_t>((bytes >> (8 * (k / 2))) & 0xffu);
+        const uint8_t c = static_cast<uint8_t>((w >> (4 * k)) & 0xfu);
+        ASSERT_EQ(ToBits(Fp8E4M3ToFloat(byte)), ToBits(Fp4E2M1ToFloat(c) * 0x1p-6f))
+            << pos << " " << k;
+      }
+    }
+  }
+  for (int s = 0; s < 0x7f; ++s) {
+    const float scale = Fp8E4M3ToFloat(static_cast<uint8_t>(s));
+    for (int c = 0; c < 16; ++c) {
+      const double exact = Fp4Value(static_cast<uint8_t>(c)) * scale;
+      const float code = Fp4E2M1ToFloat(static_cast<uint8_t>(c));
+      EXPECT_EQ(static_cast<double>(code * 0x1p-6f * (scale * 64.0f)), exact);
+      // Representable in f16: 11 significant bits, normal from 2^-14 (or zero).
+      if (exact != 0.0) {
+        const double a = std::fabs(exact);
+        EXPECT_GE(a, 0x1p-14);
+        EXPECT_LE(a, 65504.0);
+        const double ulp = std::ldexp(1.0, std::ilogb(a) - 10);
+        EXPECT_EQ(std::fmod(a, ulp), 0.0) << exact;
+      }
+    }
+  }
+}
+
 TEST(StoredKey, DecodesEveryStorage) {
   constexpr int kD = 32;
   std::vector<uint16_t> key(kD);

@@ -86,8 +86,11 @@ Inputs Draw(Kind kind, int64_t len, int queries, std::mt19937_64& rng) {
   return in;
 }
 
+// Per query, its selected block ids.
+using Selections = std::vector<std::vector<int32_t>>;
+
 // The top-16 blocks of each query at position len - 1, no forced blocks, on keys stored as `s`.
-std::vector<std::vector<int32_t>> Select(const Inputs& in, int64_t len, KeyStorage s) {
+Selections Select(const Inputs& in, int64_t len, KeyStorage s) {
   const int64_t blocks = (len + k::kBlockSize - 1) / k::kBlockSize;
   std::vector<uint8_t> pool(static_cast<size_t>(blocks * k::PageBytes(s, kD)), 0);
   for (int64_t t = 0; t < len; ++t) {
@@ -107,15 +110,15 @@ std::vector<std::vector<int32_t>> Select(const Inputs& in, int64_t len, KeyStora
   k::ScoreBlocksFast(k::KeyPoolView{pool.data(), s, kD}, span, 0, blocks, raw.data(), blocks);
   const k::SelectParams params{kTopk, 0, 0};
   std::vector<uint64_t> scratch(blocks);
-  std::vector<std::vector<int32_t>> out(queries, std::vector<int32_t>(kTopk));
+  Selections out(queries, std::vector<int32_t>(kTopk));
   for (int q = 0; q < queries; ++q) {
-    k::SelectFromScores(raw.data() + static_cast<size_t>(q) * blocks, blocks, params, scratch.data(),
-                        out[q].data());
+    k::SelectFromScores(raw.data() + static_cast<size_t>(q) * blocks, blocks, params,
+                        scratch.data(), out[q].data());
   }
   return out;
 }
 
-double Overlap(const std::vector<std::vector<int32_t>>& a, const std::vector<std::vector<int32_t>>& b) {
+double Overlap(const Selections& a, const Selections& b) {
   double sum = 0;
   for (size_t q = 0; q < a.size(); ++q) {
     int common = 0;

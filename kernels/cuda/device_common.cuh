@@ -124,8 +124,9 @@ struct Fp4ScaleRow {
 
 // Eight e2m1 codes (nibble k = value k of a run of 8 in one group) -> code * scale as f16,
 // exact, with `scale64` = scale * 2^6 in both halves (Fp4ScaleRow::F16x2): e4m3 bytes of
-// code * 2^-6 (numeric.h's Fp4CodesToE4M3), converted to f16 exactly, times scale * 2^6. out[0] = values (0, 2), out[1] =
-// (4, 6), out[2] = (1, 3), out[3] = (5, 7), the first of each pair in the low half.
+// code * 2^-6 (numeric.h's Fp4CodesToE4M3), converted to f16 exactly, times scale * 2^6.
+// out[0] = values (0, 2), out[1] = (4, 6), out[2] = (1, 3), out[3] = (5, 7), the first of each
+// pair in the low half.
 __device__ __forceinline__ void DecodeFp4Word(uint32_t w, uint32_t scale64, uint32_t (&out)[4]) {
   uint32_t even, odd;
   Fp4CodesToE4M3(w, &even, &odd);

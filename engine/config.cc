@@ -18,10 +18,6 @@ std::string TenantLabel(absl::string_view tenant) {
   return tenant.empty() ? std::string("the default tenant") : absl::StrCat("tenant '", tenant, "'");
 }
 
-const char* KeyStorageName(kernels::KeyStorage s) {
-  return s == kernels::KeyStorage::kBf16 ? "bf16" : "fp8";
-}
-
 absl::Status EngineConfig::Validate() const {
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
     return absl::InvalidArgumentError(

@@ -57,7 +57,7 @@ struct EngineConfig {
 
   // Bytes one page occupies across all layers.
   int64_t BytesPerPage() const {
-    return int64_t{kernels::kBlockSize} * head_dim * kernels::KeyStorageBytes(key_storage) * layers;
+    return kernels::PageBytes(key_storage, head_dim) * layers;
   }
   int64_t MaxBlocksPerSequence() const {
     return (max_tokens_per_sequence + kernels::kBlockSize - 1) / kernels::kBlockSize;
@@ -67,6 +67,7 @@ struct EngineConfig {
   absl::Status Validate() const;
 };
 
-const char* KeyStorageName(kernels::KeyStorage s);
+// "bf16", "fp8" or "fp4".
+using kernels::KeyStorageName;
 
 }  // namespace indexer::engine

@@ -36,8 +36,7 @@ CpuBackend::CpuBackend(const EngineConfig& config, const DeviceSlot& slot)
     : config_(config),
       slot_(slot),
       pages_(slot.num_pages > 0 ? slot.num_pages : config.capacity_pages),
-      layer_bytes_(pages_ * kBlockSize * config.head_dim *
-                   kernels::KeyStorageBytes(config.key_storage)),
+      layer_bytes_(pages_ * kernels::PageBytes(config.key_storage, config.head_dim)),
       storage_(new uint8_t[static_cast<size_t>(layer_bytes_) * config.layers]),
       pool_(WorkerCount(config)) {}
 
@@ -60,7 +59,6 @@ kernels::KeyPoolView CpuBackend::LayerView(int layer) const {
 
 absl::Status CpuBackend::WriteKeys(const KeyWrite& w) {
   const int d = config_.head_dim;
-  const int elem = kernels::KeyStorageBytes(config_.key_storage);
   // Every page first, so that a bad id writes nothing.
   for (int l = 0; l < w.layer_count && w.num_tokens > 0; ++l) {
     for (int64_t b = w.layer_start[l] / kBlockSize;
@@ -73,14 +71,9 @@ absl::Status CpuBackend::WriteKeys(const KeyWrite& w) {
     for (int l = 0; l < w.layer_count; ++l) {
       const int64_t t = w.layer_start[l] + j;
       const int64_t page = int64_t{w.block_table[t / kBlockSize]} - slot_.first_page;
-      const int64_t slot = page * kBlockSize + t % kBlockSize;
       const uint16_t* src = w.keys + (j * w.layer_count + l) * d;
-      uint8_t* dst = storage_.get() + (w.layer_begin + l) * layer_bytes_ + slot * d * elem;
-      if (config_.key_storage == kernels::KeyStorage::kBf16) {
-        std::memcpy(dst, src, static_cast<size_t>(d) * 2);
-      } else {
-        for (int i = 0; i < d; ++i) dst[i] = kernels::FloatToFp8E4M3(kernels::Bf16ToFloat(src[i]));
-      }
+      kernels::StoreKey(storage_.get() + (w.layer_begin + l) * layer_bytes_, config_.key_storage, d,
+                        page, static_cast<int>(t % kBlockSize), src);
     }
   }
   return absl::OkStatus();

@@ -49,6 +49,7 @@ absl::Status CheckSameShape(const std::string& path, const SnapshotHeader& h,
   const auto storage = [](uint64_t v) -> std::string {
     if (v == static_cast<uint64_t>(kernels::KeyStorage::kBf16)) return "bf16";
     if (v == static_cast<uint64_t>(kernels::KeyStorage::kFp8E4M3)) return "fp8";
+    if (v == static_cast<uint64_t>(kernels::KeyStorage::kFp4E2M1)) return "fp4";
     return absl::StrCat("unknown (", v, ")");
   };
   compare("head_dim", h.head_dim, static_cast<uint64_t>(config.head_dim), number);
@@ -125,18 +126,33 @@ absl::Status CheckSequence(const std::string& path, const SnapshotSequence& s, u
   return absl::OkStatus();
 }
 
+// Zeroes the keys of slots [first, kBlockSize) of one layer's page.
+void ClearSlotsFrom(uint8_t* layer_page, kernels::KeyStorage storage, int head_dim, int64_t first) {
+  for (int slot = static_cast<int>(first); slot < kBlockSize; ++slot) {
+    kernels::ClearKey(layer_page, storage, head_dim, 0, slot);
+  }
+}
+
 // DATA_LOSS when a stored key is NaN or infinite (no append can store one).
 absl::Status CheckFinite(const std::string& path, const uint8_t* data, int64_t bytes,
-                         kernels::KeyStorage storage, uint64_t first_page, int64_t page_bytes) {
+                         kernels::KeyStorage storage, int head_dim, uint64_t first_page,
+                         int64_t page_bytes) {
   int64_t bad = -1;
   if (storage == kernels::KeyStorage::kBf16) {
     // bf16 exponent all ones: Inf or NaN. The high byte of each little-endian value.
     for (int64_t i = 1; i < bytes && bad < 0; i += 2) {
       if ((data[i] & 0x7Fu) == 0x7Fu && (data[i - 1] & 0x80u) != 0) bad = i;
     }
-  } else {
+  } else if (storage == kernels::KeyStorage::kFp8E4M3) {
     for (int64_t i = 0; i < bytes && bad < 0; ++i) {
-      if ((data[i] & 0x7Fu) == 0x7Fu) bad = i;  // e4m3 has no Inf; S.1111.111 is NaN
+      if (!kernels::Fp8ByteIsFinite(data[i])) bad = i;  // e4m3 has no Inf; S.1111.111 is NaN
+    }
+  } else {
+    // Every e2m1 code is finite; the scales, one layer page's last bytes, are e4m3.
+    const int64_t layer_page = kernels::PageBytes(storage, head_dim);
+    const int64_t scales = kernels::Fp4ScalesOffset(0, 0, head_dim);
+    for (int64_t i = 0; i < bytes && bad < 0; ++i) {
+      if (i % layer_page >= scales && !kernels::Fp8ByteIsFinite(data[i])) bad = i;
     }
   }
   if (bad < 0) return absl::OkStatus();
@@ -285,7 +301,6 @@ absl::Status Engine::WriteSnapshot(const std::string& path, SnapshotStats* stats
   // file holds keys only (and the same state always gives the same file).
   const int64_t page_bytes = core_->config.BytesPerPage();
   const int64_t layer_page_bytes = page_bytes / layers;
-  const int64_t slot_bytes = layer_page_bytes / kBlockSize;
   const int64_t chunk = ChunkPages(core_->config);
   std::vector<uint8_t> buffer(static_cast<size_t>(chunk * page_bytes));
   for (size_t first = 0; first < pages.size(); first += chunk) {
@@ -296,7 +311,7 @@ absl::Status Engine::WriteSnapshot(const std::string& path, SnapshotStats* stats
       for (int l = 0; l < layers; ++l) {
         uint8_t* layer_page = buffer.data() + (j * layers + l) * layer_page_bytes;
         const int64_t f = filled[(static_cast<int64_t>(first) + j) * layers + l];
-        std::memset(layer_page + f * slot_bytes, 0, (kBlockSize - f) * slot_bytes);
+        ClearSlotsFrom(layer_page, core_->config.key_storage, core_->config.head_dim, f);
       }
     }
     INDEXER_RETURN_IF_ERROR(writer.WritePages(buffer.data(), n * page_bytes));
@@ -323,8 +338,8 @@ absl::Status Engine::RestoreSnapshot(const std::string& path, SnapshotStats* sta
   const int devices = num_devices();
   INDEXER_RETURN_IF_ERROR(ReadSnapshotFile(
       path, core_->config, devices, &plan, [&](uint64_t first, int64_t n, const uint8_t* data) {
-        return CheckFinite(path, data, n * core_->config.BytesPerPage(), core_->config.key_storage, first,
-                           core_->config.BytesPerPage());
+        return CheckFinite(path, data, n * core_->config.BytesPerPage(), core_->config.key_storage,
+                           core_->config.head_dim, first, core_->config.BytesPerPage());
       }));
 
   if (core_->config.max_sequences > 0 &&

@@ -6,7 +6,7 @@
 // Layout, all integers little-endian:
 //
 //   header     magic "IDXSNAP\0" (8 bytes), u32 version (1 or 2), u32 head_dim, u32 layers,
-//              u32 key_storage (0 bf16, 1 fp8 e4m3), u32 block_size (128),
+//              u32 key_storage (0 bf16, 1 fp8 e4m3, 2 fp4 e2m1), u32 block_size (128),
 //              u32 devices (version 2: the writer's device count; version 1: 0),
 //              u64 page_bytes (one page, every layer), u64 num_pages, u64 num_sequences
 //   sequences  num_sequences times: u32 tenant bytes, tenant, u32 id bytes, id,
@@ -14,9 +14,9 @@
 //              u64 length per layer, u32 blocks, u32 page index (into the pages below) per block,
 //              u32 attention pages, i32 attention page id per block,
 //              version 2 only: u32 device (index of the device holding its pages)
-//   pages      num_pages times page_bytes: [layers][block_size][head_dim] stored elements (bf16
-//              or fp8 bytes, exactly as the cache holds them); slots past every sequence's
-//              length are zero
+//   pages      num_pages times page_bytes: per layer, one page exactly as the cache holds it
+//              (kernels/numeric.h: [block_size][head_dim] bf16 or fp8 elements, or fp4 codes
+//              then scales); slots past every sequence's length are zero
 //   trailer    u32 CRC-32C of every byte before the trailer, end magic "IDXSEND\0" (8 bytes)
 //
 // A page shared by several sequences (forks) is stored once and referenced by each; such

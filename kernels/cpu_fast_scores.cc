@@ -23,17 +23,35 @@ template <int D>
   return s;
 }
 
+// e2m1 code -> value, by table (Fp4E2M1ToFloat's values).
+constexpr float kFp4Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// Key `slot` of page `page`, decoded: the values LoadKey gives (every decoded value is exact, so
+// any way of computing it agrees bit for bit).
 template <int D, KeyStorage S>
-[[gnu::always_inline]] inline void DecodeRow(const void* pool, int64_t element, float* out) {
+[[gnu::always_inline]] inline void DecodeRow(const void* pool, int64_t page, int slot, float* out) {
+  const int64_t element = (page * kBlockSize + slot) * D;
   if constexpr (S == KeyStorage::kBf16) {
     const uint16_t* p = static_cast<const uint16_t*>(pool) + element;
     for (int i = 0; i < D; ++i) {
       const uint32_t bits = uint32_t{p[i]} << 16;
       std::memcpy(&out[i], &bits, 4);
     }
-  } else {
+  } else if constexpr (S == KeyStorage::kFp8E4M3) {
     const uint8_t* p = static_cast<const uint8_t*>(pool) + element;
     for (int i = 0; i < D; ++i) out[i] = Fp8E4M3ToFloat(p[i]);
+  } else {
+    const uint8_t* codes = static_cast<const uint8_t*>(pool) + Fp4CodesOffset(page, slot, D);
+    const uint8_t* scales = static_cast<const uint8_t*>(pool) + Fp4ScalesOffset(page, slot, D);
+    for (int g = 0; g < D / kFp4GroupSize; ++g) {
+      const float scale = Fp8E4M3ToFloat(scales[g]);
+      for (int i = 0; i < kFp4GroupSize / 2; ++i) {
+        const uint8_t c = codes[g * (kFp4GroupSize / 2) + i];
+        out[g * kFp4GroupSize + 2 * i] = kFp4Values[c & 0xfu] * scale;
+        out[g * kFp4GroupSize + 2 * i + 1] = kFp4Values[c >> 4] * scale;
+      }
+    }
   }
 }
 
@@ -63,7 +81,7 @@ template <int D, KeyStorage S>
     std::fill(best.begin(), best.end(), kNone);
     const int64_t t_end = std::min(b * kBlockSize + kBlockSize - 1, p_last);
     for (int64_t t = b * kBlockSize; t <= t_end; ++t) {
-      DecodeRow<D, S>(keys.data, (page * kBlockSize + (t - b * kBlockSize)) * D, key);
+      DecodeRow<D, S>(keys.data, page, static_cast<int>(t - b * kBlockSize), key);
       // Token i sees position t when p0 + i >= t.
       for (int64_t i = std::max<int64_t>(0, t - p0); i < span.num_tokens; ++i) {
         for (int h = 0; h < span.num_heads; ++h) {
@@ -115,10 +133,13 @@ void Dispatch(const KeyPoolView& keys, const SpanSelect& span, int64_t begin, in
 template <int D>
 void DispatchStorage(const KeyPoolView& keys, const SpanSelect& span, int64_t begin, int64_t end,
                      float* raw, int64_t stride) {
-  if (keys.storage == KeyStorage::kBf16) {
-    Dispatch<D, KeyStorage::kBf16>(keys, span, begin, end, raw, stride);
-  } else {
-    Dispatch<D, KeyStorage::kFp8E4M3>(keys, span, begin, end, raw, stride);
+  switch (keys.storage) {
+    case KeyStorage::kBf16:
+      return Dispatch<D, KeyStorage::kBf16>(keys, span, begin, end, raw, stride);
+    case KeyStorage::kFp8E4M3:
+      return Dispatch<D, KeyStorage::kFp8E4M3>(keys, span, begin, end, raw, stride);
+    case KeyStorage::kFp4E2M1:
+      return Dispatch<D, KeyStorage::kFp4E2M1>(keys, span, begin, end, raw, stride);
   }
 }
 

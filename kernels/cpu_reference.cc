@@ -22,16 +22,6 @@ float Dot(const float* a, const float* b) {
   return s;
 }
 
-void DecodeKeyRow(const KeyPoolView& keys, int64_t element, int d, float* out) {
-  if (keys.storage == KeyStorage::kBf16) {
-    const uint16_t* p = static_cast<const uint16_t*>(keys.data) + element;
-    for (int i = 0; i < d; ++i) out[i] = Bf16ToFloat(p[i]);
-  } else {
-    const uint8_t* p = static_cast<const uint8_t*>(keys.data) + element;
-    for (int i = 0; i < d; ++i) out[i] = Fp8E4M3ToFloat(p[i]);
-  }
-}
-
 template <int D>
 void ScoreBlocksD(const KeyPoolView& keys, const SpanSelect& span, int64_t block_begin,
                   int64_t block_end, float* raw, int64_t raw_stride) {
@@ -49,7 +39,7 @@ void ScoreBlocksD(const KeyPoolView& keys, const SpanSelect& span, int64_t block
     std::fill(best.begin(), best.end(), kNone);
     const int64_t t_end = std::min(b * kBlockSize + kBlockSize - 1, p_last);
     for (int64_t t = b * kBlockSize; t <= t_end; ++t) {
-      DecodeKeyRow(keys, (page * kBlockSize + (t - b * kBlockSize)) * D, D, key.data());
+      LoadKey(keys.data, keys.storage, D, page, static_cast<int>(t - b * kBlockSize), key.data());
       // Token i sees position t when p0 + i >= t.
       for (int64_t i = std::max<int64_t>(0, t - p0); i < span.num_tokens; ++i) {
         for (int h = 0; h < span.num_heads; ++h) {

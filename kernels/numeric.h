@@ -4,6 +4,10 @@
 //  * bf16 is carried as its raw 16 bits (uint16_t); fp32 -> bf16 rounds to nearest, ties to even.
 //  * fp8 is e4m3 ("fn": no infinities), carried as its raw byte; bf16 -> fp8 rounds to nearest
 //    even and saturates at +-448 (no scale: selection only needs the order of scores).
+//  * fp4 is e2m1 codes with one e4m3 scale per group of 16 values (SPEC.md "fp4 key storage"):
+//    a code is 4 bits (sign, 2 exponent bits with bias 1, 1 mantissa bit), values
+//    +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; the stored value code * scale is exact in fp32 (and in f16
+//    and bf16: at most 6 significant bits, magnitudes in [2^-10, 2688]).
 //
 // Every function is pure, __host__ __device__ under nvcc and plain inline C++ elsewhere.
 #pragma once
@@ -22,10 +26,29 @@ namespace indexer::kernels {
 // Tokens per block (= per page). Fixed by SPEC.md.
 inline constexpr int kBlockSize = 128;
 
-// How keys are stored in the cache.
-enum class KeyStorage : int { kBf16 = 0, kFp8E4M3 = 1 };
+// How keys are stored in the cache. The values are the snapshot file's and must not change.
+enum class KeyStorage : int { kBf16 = 0, kFp8E4M3 = 1, kFp4E2M1 = 2 };
 
-INDEXER_HD int KeyStorageBytes(KeyStorage s) { return s == KeyStorage::kBf16 ? 2 : 1; }
+// The storage's name in flags, logs and messages: "bf16", "fp8" or "fp4".
+inline const char* KeyStorageName(KeyStorage s) {
+  return s == KeyStorage::kBf16 ? "bf16" : s == KeyStorage::kFp8E4M3 ? "fp8" : "fp4";
+}
+
+// Values sharing one fp4 scale; head_dim is a multiple of it.
+inline constexpr int kFp4GroupSize = 16;
+
+// Bytes one key of `head_dim` values takes: 2 or 1 per value, or for fp4 half a byte of code per
+// value plus one scale byte per group.
+INDEXER_HD constexpr int KeyBytes(KeyStorage s, int head_dim) {
+  return s == KeyStorage::kBf16      ? 2 * head_dim
+         : s == KeyStorage::kFp8E4M3 ? head_dim
+                                     : head_dim / 2 + head_dim / kFp4GroupSize;
+}
+
+// Bytes of one page (kBlockSize keys) of one layer.
+INDEXER_HD constexpr int64_t PageBytes(KeyStorage s, int head_dim) {
+  return int64_t{kBlockSize} * KeyBytes(s, head_dim);
+}
 
 INDEXER_HD uint32_t FloatBits(float f) {
 #if defined(__CUDA_ARCH__)
@@ -105,11 +128,166 @@ INDEXER_HD uint8_t FloatToFp8E4M3(float f) {
   return static_cast<uint8_t>(sign | bits);
 }
 
-// Decoded value of a stored key element.
-INDEXER_HD float StoredKeyToFloat(const void* base, int64_t index, KeyStorage s) {
-  return s == KeyStorage::kBf16 ? Bf16ToFloat(static_cast<const uint16_t*>(base)[index])
-                                : Fp8E4M3ToFloat(static_cast<const uint8_t*>(base)[index]);
+// e2m1 code (low 4 bits) -> float, exact.
+INDEXER_HD float Fp4E2M1ToFloat(uint8_t code) {
+  const uint32_t e = (code >> 1) & 0x3u;
+  const uint32_t m = code & 0x1u;
+  // e == 0: m * 0.5 (subnormal); else 2^(e - 1) * (1 + m / 2), as float bits (bias 1 -> 127).
+  const float mag =
+      e == 0 ? static_cast<float>(m) * 0.5f : BitsToFloat(((e + 126u) << 23) | (m << 22));
+  return (code & 0x8u) ? -mag : mag;
 }
+
+// Finite float -> e2m1 code: the nearest of +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to the code with
+// the even mantissa bit, saturating at +-6. The sign is kept, also when the magnitude rounds to 0.
+INDEXER_HD uint8_t FloatToFp4E2M1(float f) {
+  const uint8_t sign = static_cast<uint8_t>((FloatBits(f) >> 28) & 0x8u);
+  const float a = BitsToFloat(FloatBits(f) & 0x7fffffffu);
+  // Midpoints between neighbouring magnitudes; a tie goes down to an even code (0, 1, 2, 4) with
+  // <=, up to one with <.
+  uint8_t mag;
+  if (a <= 0.25f) {
+    mag = 0;
+  } else if (a < 0.75f) {
+    mag = 1;
+  } else if (a <= 1.25f) {
+    mag = 2;
+  } else if (a < 1.75f) {
+    mag = 3;
+  } else if (a <= 2.5f) {
+    mag = 4;
+  } else if (a < 3.5f) {
+    mag = 5;
+  } else if (a <= 5.0f) {
+    mag = 6;
+  } else {
+    mag = 7;
+  }
+  return static_cast<uint8_t>(sign | mag);
+}
+
+// fp32 quotient, correctly rounded on every target (also under nvcc's fast-math flags).
+INDEXER_HD float DivideRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// The e4m3 scale byte of a group whose largest magnitude is `amax`: e4m3(amax / 6).
+INDEXER_HD uint8_t Fp4GroupScale(float amax) { return FloatToFp8E4M3(DivideRn(amax, 6.0f)); }
+
+// Quantises one group of kFp4GroupSize bf16 values: value 2i goes to the low nibble of codes[i],
+// value 2i + 1 to the high nibble; returns the scale byte. Every code is 0 when the scale is 0.
+INDEXER_HD uint8_t QuantizeFp4Group(const uint16_t* bf16, uint8_t* codes) {
+  float amax = 0.0f;
+  for (int i = 0; i < kFp4GroupSize; ++i) {
+    const float a = BitsToFloat(FloatBits(Bf16ToFloat(bf16[i])) & 0x7fffffffu);
+    amax = a > amax ? a : amax;
+  }
+  const uint8_t scale = Fp4GroupScale(amax);
+  const float sf = Fp8E4M3ToFloat(scale);
+  for (int i = 0; i < kFp4GroupSize / 2; ++i) {
+    uint8_t lo = 0, hi = 0;
+    if (sf != 0.0f) {
+      lo = FloatToFp4E2M1(DivideRn(Bf16ToFloat(bf16[2 * i]), sf));
+      hi = FloatToFp4E2M1(DivideRn(Bf16ToFloat(bf16[2 * i + 1]), sf));
+    }
+    codes[i] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+  return scale;
+}
+
+// Eight e2m1 codes (nibble k of `w` is value k) rewritten as e4m3 bytes, for the GPU's exact
+// e4m3 -> f16 conversion: code sign | exponent << 3 | mantissa << 2 is the e4m3 value code * 2^-6
+// (the e2m1 subnormal 0.5 is the e4m3 subnormal 2^-7). Byte j of *even is value 2j, byte j of
+// *odd value 2j + 1.
+INDEXER_HD void Fp4CodesToE4M3(uint32_t w, uint32_t* even, uint32_t* odd) {
+  *even = ((w << 2) & 0x1c1c1c1cu) | ((w << 4) & 0x80808080u);
+  *odd = ((w >> 2) & 0x1c1c1c1cu) | (w & 0x80808080u);
+}
+
+// Where keys sit in one layer's pool. bf16 and fp8: page p's key t, value d, is element
+// (p * kBlockSize + t) * head_dim + d. fp4: page p's bytes begin at p * PageBytes; its 128 keys'
+// codes come first (key t at t * head_dim / 2, value d in byte d / 2, low nibble for even d),
+// then their scales (key t at kBlockSize * head_dim / 2 + t * head_dim / 16, one byte per group):
+// both are contiguous and 16-byte aligned, for wide copies of either.
+INDEXER_HD int64_t Fp4CodesOffset(int64_t page, int slot, int head_dim) {
+  return page * PageBytes(KeyStorage::kFp4E2M1, head_dim) + int64_t{slot} * (head_dim / 2);
+}
+INDEXER_HD int64_t Fp4ScalesOffset(int64_t page, int slot, int head_dim) {
+  return page * PageBytes(KeyStorage::kFp4E2M1, head_dim) + int64_t{kBlockSize} * (head_dim / 2) +
+         int64_t{slot} * (head_dim / kFp4GroupSize);
+}
+
+// Stores one key (head_dim bf16 values) at page `page`, slot `slot` of a layer's pool, rounded to
+// the storage type.
+INDEXER_HD void StoreKey(void* pool, KeyStorage s, int head_dim, int64_t page, int slot,
+                         const uint16_t* key) {
+  const int64_t element = (page * kBlockSize + slot) * head_dim;
+  if (s == KeyStorage::kBf16) {
+    uint16_t* dst = static_cast<uint16_t*>(pool) + element;
+    for (int d = 0; d < head_dim; ++d) dst[d] = key[d];
+  } else if (s == KeyStorage::kFp8E4M3) {
+    uint8_t* dst = static_cast<uint8_t*>(pool) + element;
+    for (int d = 0; d < head_dim; ++d) dst[d] = FloatToFp8E4M3(Bf16ToFloat(key[d]));
+  } else {
+    uint8_t* codes = static_cast<uint8_t*>(pool) + Fp4CodesOffset(page, slot, head_dim);
+    uint8_t* scales = static_cast<uint8_t*>(pool) + Fp4ScalesOffset(page, slot, head_dim);
+    for (int g = 0; g < head_dim / kFp4GroupSize; ++g) {
+      scales[g] = QuantizeFp4Group(key + g * kFp4GroupSize, codes + g * (kFp4GroupSize / 2));
+    }
+  }
+}
+
+// Zeroes the stored bytes of the key at page `page`, slot `slot` (every storage decodes them as
+// a key of zeros).
+INDEXER_HD void ClearKey(void* pool, KeyStorage s, int head_dim, int64_t page, int slot) {
+  uint8_t* bytes = static_cast<uint8_t*>(pool);
+  if (s != KeyStorage::kFp4E2M1) {
+    const int64_t row = KeyBytes(s, head_dim);
+    for (int64_t i = 0; i < row; ++i) bytes[(page * kBlockSize + slot) * row + i] = 0;
+    return;
+  }
+  for (int i = 0; i < head_dim / 2; ++i) bytes[Fp4CodesOffset(page, slot, head_dim) + i] = 0;
+  for (int i = 0; i < head_dim / kFp4GroupSize; ++i) {
+    bytes[Fp4ScalesOffset(page, slot, head_dim) + i] = 0;
+  }
+}
+
+// Decoded value d of the key at page `page`, slot `slot`: the value scores use.
+INDEXER_HD float StoredKeyValue(const void* pool, KeyStorage s, int head_dim, int64_t page,
+                                int slot, int d) {
+  const int64_t element = (page * kBlockSize + slot) * head_dim + d;
+  if (s == KeyStorage::kBf16) return Bf16ToFloat(static_cast<const uint16_t*>(pool)[element]);
+  if (s == KeyStorage::kFp8E4M3) return Fp8E4M3ToFloat(static_cast<const uint8_t*>(pool)[element]);
+  const uint8_t* bytes = static_cast<const uint8_t*>(pool);
+  const uint8_t code = bytes[Fp4CodesOffset(page, slot, head_dim) + d / 2] >> (4 * (d & 1));
+  const uint8_t scale = bytes[Fp4ScalesOffset(page, slot, head_dim) + d / kFp4GroupSize];
+  return Fp4E2M1ToFloat(code & 0xfu) * Fp8E4M3ToFloat(scale);
+}
+
+// The whole key at page `page`, slot `slot`, decoded into out[0 .. head_dim).
+INDEXER_HD void LoadKey(const void* pool, KeyStorage s, int head_dim, int64_t page, int slot,
+                        float* out) {
+  if (s != KeyStorage::kFp4E2M1) {
+    for (int d = 0; d < head_dim; ++d) out[d] = StoredKeyValue(pool, s, head_dim, page, slot, d);
+    return;
+  }
+  const uint8_t* codes = static_cast<const uint8_t*>(pool) + Fp4CodesOffset(page, slot, head_dim);
+  const uint8_t* scales = static_cast<const uint8_t*>(pool) + Fp4ScalesOffset(page, slot, head_dim);
+  for (int d = 0; d < head_dim; d += 2) {
+    const float scale = Fp8E4M3ToFloat(scales[d / kFp4GroupSize]);
+    out[d] = Fp4E2M1ToFloat(codes[d / 2] & 0xfu) * scale;
+    out[d + 1] = Fp4E2M1ToFloat(codes[d / 2] >> 4) * scale;
+  }
+}
+
+// False when a stored key byte at `offset` of a page could not have been written by StoreKey's
+// rounding of a finite value: a NaN e4m3 byte (S.1111.111), as an fp8 value or an fp4 scale.
+// bf16 pages are checked by their values instead (Bf16IsFinite).
+INDEXER_HD bool Fp8ByteIsFinite(uint8_t b) { return (b & 0x7fu) != 0x7fu; }
 
 // Forced scores and the score of a block with no finite dot product (SPEC.md, Select step 3).
 inline constexpr float kInitScore = 1e30f;

@@ -21,8 +21,9 @@ struct PageTableParams {
   int block_page_stride = 8;
 };
 
-// Read-only view of one layer's key pool: the element for page p, slot t (< kBlockSize),
-// dimension d sits at index (p * kBlockSize + t) * head_dim + d.
+// Read-only view of one layer's key pool, laid out as numeric.h's StoreKey writes it (for bf16
+// and fp8, the element for page p, slot t (< kBlockSize), dimension d sits at index
+// (p * kBlockSize + t) * head_dim + d; fp4 pages hold codes, then scales).
 struct KeyPoolView {
   const void* data = nullptr;
   KeyStorage storage = KeyStorage::kBf16;

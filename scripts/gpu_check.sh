@@ -49,6 +49,9 @@ if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = backend ]; then
   step "CUDA backend vs CPU backend through the engine"
   $bundle/cuda_backend_test 2>&1 | tee "$out/cuda_backend_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure' || true
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  step "snapshots across the CUDA and CPU backends"
+  $bundle/security_gpu_test 2>&1 | tee "$out/security_gpu_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure' || true
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   for tool in $([ "$what" = backend ] || echo memcheck racecheck); do
     step "compute-sanitizer $tool"
     compute-sanitizer --tool $tool --error-exitcode 9 $bundle/gpu_select_test --gtest_filter='*SanitizerSmall*' \
@@ -71,7 +74,7 @@ fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
   step "kernel benchmark"
-  $bundle/indexer-kernel-bench --preset=all --storage=both > "$out/kernel_bench.jsonl" 2>&1 || status=1
+  $bundle/indexer-kernel-bench --preset=all --storage=all > "$out/kernel_bench.jsonl" 2>&1 || status=1
   grep -v '^{' "$out/kernel_bench.jsonl"
   step "where the decode time goes (--timeline: %globaltimer stamps of one run per case)"
   $bundle/indexer-kernel-bench --preset=decode --storage=bf16 --reps=20 --timeline 2>&1 | grep -v '^{' \

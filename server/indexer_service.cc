@@ -17,6 +17,15 @@ void PutLengths(const std::vector<int64_t>& lengths, Repeated* out) {
   for (int64_t l : lengths) out->Add(static_cast<uint32_t>(l));
 }
 
+v1::KeyStorage ToProto(kernels::KeyStorage s) {
+  switch (s) {
+    case kernels::KeyStorage::kBf16: return v1::KEY_STORAGE_BF16;
+    case kernels::KeyStorage::kFp8E4M3: return v1::KEY_STORAGE_FP8_E4M3;
+    case kernels::KeyStorage::kFp4E2M1: return v1::KEY_STORAGE_FP4_E2M1;
+  }
+  return v1::KEY_STORAGE_UNSPECIFIED;
+}
+
 }  // namespace
 
 template <typename Req, typename Resp, typename Handler>
@@ -177,8 +186,7 @@ grpc::ServerUnaryReactor* IndexerService::ServerInfo(Ctx* ctx, const Bytes* req,
     out->set_device(engine_->backend().device());
     out->set_head_dim(c.head_dim);
     out->set_layers(c.layers);
-    out->set_key_storage(c.key_storage == kernels::KeyStorage::kBf16 ? v1::KEY_STORAGE_BF16
-                                                                      : v1::KEY_STORAGE_FP8_E4M3);
+    out->set_key_storage(ToProto(c.key_storage));
     out->set_block_size(kernels::kBlockSize);
     out->set_max_index_heads(c.max_index_heads);
     out->set_max_topk(c.max_topk);

@@ -38,7 +38,9 @@ ABSL_FLAG(int32_t, cpu_devices, 1,
           "a share of the threads: multi-device placement without GPUs");
 ABSL_FLAG(int32_t, head_dim, 128, "Index key/query dimension: 64, 128 or 256");
 ABSL_FLAG(int32_t, layers, 1, "Index-K caches (layers) sharing each sequence's block table");
-ABSL_FLAG(std::string, key_dtype, "bf16", "Key storage: bf16 or fp8 (e4m3, saturating, no scale)");
+ABSL_FLAG(std::string, key_dtype, "bf16",
+          "Key storage: bf16, fp8 (e4m3, saturating, no scale) or fp4 (e2m1, an e4m3 scale per 16 "
+          "values)");
 ABSL_FLAG(std::string, capacity, "1GiB",
           "Key pool size per device: a page count (8192) or a size (4GiB, 512MiB); one page = 128 "
           "tokens x head_dim x layers keys");
@@ -423,8 +425,11 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
     e.key_storage = kernels::KeyStorage::kBf16;
   } else if (dtype == "fp8" || dtype == "fp8_e4m3" || dtype == "e4m3") {
     e.key_storage = kernels::KeyStorage::kFp8E4M3;
+  } else if (dtype == "fp4" || dtype == "fp4_e2m1" || dtype == "e2m1") {
+    e.key_storage = kernels::KeyStorage::kFp4E2M1;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("--key_dtype is '", dtype, "'; it must be bf16 or fp8"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--key_dtype is '", dtype, "'; it must be bf16, fp8 or fp4"));
   }
   e.max_index_heads = absl::GetFlag(FLAGS_max_index_heads);
   e.max_topk = absl::GetFlag(FLAGS_max_topk);

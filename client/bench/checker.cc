@@ -62,23 +62,16 @@ HostKeys::HostKeys(int checked_layers, int head_dim, kernels::KeyStorage storage
     : head_dim_(head_dim), storage_(storage), layers_(checked_layers) {}
 
 void HostKeys::AppendAllLayers(const uint16_t* bits, int64_t tokens, int server_layers) {
-  const int elem = kernels::KeyStorageBytes(storage_);
-  const size_t row_bytes = static_cast<size_t>(head_dim_) * elem;
-  const size_t needed =
-      static_cast<size_t>(BlocksFor(length_ + tokens)) * kernels::kBlockSize * row_bytes;
+  const int64_t page_bytes = kernels::PageBytes(storage_, head_dim_);
+  const size_t needed = static_cast<size_t>(BlocksFor(length_ + tokens) * page_bytes);
   for (size_t l = 0; l < layers_.size(); ++l) {
     std::vector<uint8_t>& dst = layers_[l];
     if (dst.size() < needed) dst.resize(needed, 0);
     for (int64_t t = 0; t < tokens; ++t) {
       const uint16_t* src = bits + (static_cast<size_t>(t) * server_layers + l) * head_dim_;
-      uint8_t* out = dst.data() + static_cast<size_t>(length_ + t) * row_bytes;
-      if (storage_ == kernels::KeyStorage::kBf16) {
-        std::memcpy(out, src, row_bytes);
-      } else {
-        for (int d = 0; d < head_dim_; ++d) {
-          out[d] = kernels::FloatToFp8E4M3(kernels::Bf16ToFloat(src[d]));
-        }
-      }
+      const int64_t pos = length_ + t;
+      kernels::StoreKey(dst.data(), storage_, head_dim_, pos / kernels::kBlockSize,
+                        static_cast<int>(pos % kernels::kBlockSize), src);
     }
   }
   length_ += tokens;
@@ -86,13 +79,16 @@ void HostKeys::AppendAllLayers(const uint16_t* bits, int64_t tokens, int server_
 
 void HostKeys::Truncate(int64_t length) {
   if (length >= length_) return;
-  const int elem = kernels::KeyStorageBytes(storage_);
-  const size_t row_bytes = static_cast<size_t>(head_dim_) * elem;
+  const int64_t page_bytes = kernels::PageBytes(storage_, head_dim_);
+  const int64_t blocks = BlocksFor(length);
   for (std::vector<uint8_t>& l : layers_) {
     // Zero the dropped rows: the reference never reads past a query's position, but a later
     // append must not find stale values in a reused row either.
-    std::fill(l.begin() + static_cast<int64_t>(length * row_bytes), l.end(), 0);
-    l.resize(static_cast<size_t>(BlocksFor(length)) * kernels::kBlockSize * row_bytes);
+    for (int64_t t = length; t < blocks * kernels::kBlockSize; ++t) {
+      kernels::ClearKey(l.data(), storage_, head_dim_, t / kernels::kBlockSize,
+                        static_cast<int>(t % kernels::kBlockSize));
+    }
+    l.resize(static_cast<size_t>(blocks * page_bytes));
   }
   length_ = length;
 }

@@ -22,8 +22,9 @@
 namespace indexer::bench {
 
 // The keys of one sequence for the layers a workload selects, stored as the server stores them
-// (bf16 bits, or fp8 e4m3 bytes), padded with zeros to whole blocks so that the reference can
-// read it as a key pool whose page b is block b.
+// (kernels/numeric.h's StoreKey: bf16 bits, fp8 e4m3 bytes, or fp4 codes and scales), padded
+// with zeros to whole blocks so that the reference can read it as a key pool whose page b is
+// block b.
 class HostKeys {
  public:
   HostKeys(int checked_layers, int head_dim, kernels::KeyStorage storage);
@@ -41,7 +42,7 @@ class HostKeys {
   int head_dim_;
   kernels::KeyStorage storage_;
   int64_t length_ = 0;
-  std::vector<std::vector<uint8_t>> layers_;  // per layer, [blocks * 128][head_dim] elements
+  std::vector<std::vector<uint8_t>> layers_;  // per layer, `blocks` pages as the server's pool
 };
 
 struct CheckParams {

@@ -308,7 +308,11 @@ absl::StatusOr<std::vector<std::string>> ParseFlags(int argc, char** argv, bool*
 }
 
 const char* KeyStorageName(v1::KeyStorage s) {
-  return s == v1::KEY_STORAGE_FP8_E4M3 ? "fp8_e4m3" : "bf16";
+  switch (s) {
+    case v1::KEY_STORAGE_FP8_E4M3: return "fp8_e4m3";
+    case v1::KEY_STORAGE_FP4_E2M1: return "fp4_e2m1";
+    default: return "bf16";
+  }
 }
 
 std::string DurationText(absl::Duration d) { return absl::FormatDuration(d); }

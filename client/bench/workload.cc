@@ -243,8 +243,9 @@ ServerShape ShapeFromInfo(const v1::ServerInfoResponse& info) {
   ServerShape s;
   s.head_dim = static_cast<int>(info.head_dim());
   s.layers = static_cast<int>(info.layers());
-  s.key_storage = info.key_storage() == v1::KEY_STORAGE_FP8_E4M3 ? kernels::KeyStorage::kFp8E4M3
-                                                                 : kernels::KeyStorage::kBf16;
+  s.key_storage = info.key_storage() == v1::KEY_STORAGE_FP8_E4M3   ? kernels::KeyStorage::kFp8E4M3
+                  : info.key_storage() == v1::KEY_STORAGE_FP4_E2M1 ? kernels::KeyStorage::kFp4E2M1
+                                                                   : kernels::KeyStorage::kBf16;
   s.defaults = kernels::SelectParams{static_cast<int>(info.default_topk()),
                                      static_cast<int>(info.default_init_blocks()),
                                      static_cast<int>(info.default_local_blocks())};

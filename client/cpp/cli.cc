@@ -278,6 +278,7 @@ const char* KeyStorageName(v1::KeyStorage s) {
   switch (s) {
     case v1::KEY_STORAGE_BF16: return "bf16";
     case v1::KEY_STORAGE_FP8_E4M3: return "fp8_e4m3";
+    case v1::KEY_STORAGE_FP4_E2M1: return "fp4_e2m1";
     default: return "unspecified";
   }
 }

@@ -48,7 +48,7 @@ class CudaBackend final : public KeyCacheBackend {
         slot_(slot),
         options_(Normalized(options)),
         pages_(slot.num_pages > 0 ? slot.num_pages : config.capacity_pages),
-        page_bytes_(int64_t{kBlockSize} * config.head_dim * kernels::KeyStorageBytes(config.key_storage)),
+        page_bytes_(kernels::PageBytes(config.key_storage, config.head_dim)),
         layer_bytes_(pages_ * page_bytes_),
         key_max_abs_(new std::atomic<float>[static_cast<size_t>(std::max(config.layers, 1))]) {
     for (int l = 0; l < std::max(config.layers, 1); ++l) key_max_abs_[l].store(0.0f);
@@ -203,7 +203,7 @@ absl::Status CudaBackend::Init() {
     return absl::InvalidArgumentError(absl::StrFormat(
         "head_dim %d with %s keys needs %d bytes of shared memory per block for the prefill scorer; "
         "%s offers %d (an H100/H200 offers 232448)",
-        config_.head_dim, config_.key_storage == kernels::KeyStorage::kBf16 ? "bf16" : "fp8", prefill_smem, prop.name,
+        config_.head_dim, kernels::KeyStorageName(config_.key_storage), prefill_smem, prop.name,
         prop.sharedMemPerBlockOptin));
   }
   if (topk_smem > static_cast<int64_t>(prop.sharedMemPerBlockOptin)) {
@@ -365,16 +365,22 @@ absl::Status CudaBackend::TransferPages(std::span<const int32_t> pages, HostByte
 absl::Status CudaBackend::WritePagesOnDevice(std::span<const int32_t> pages, const uint8_t* src) {
   INDEXER_RETURN_IF_ERROR(TransferPages(pages, src));
   // Selections pick their path from the largest key written (see KeyMax).
-  const int64_t elems = page_bytes_ / kernels::KeyStorageBytes(config_.key_storage);
+  const int64_t elems = int64_t{kBlockSize} * config_.head_dim;
+  std::vector<float> key(static_cast<size_t>(config_.head_dim));
   for (size_t i = 0; i < pages.size(); ++i) {
     for (int l = 0; l < config_.layers; ++l) {
       const uint8_t* page = src + (static_cast<int64_t>(i) * config_.layers + l) * page_bytes_;
       float m = 0.0f;
       if (config_.key_storage == kernels::KeyStorage::kBf16) {
         m = kernels::cuda::ScanBf16(reinterpret_cast<const uint16_t*>(page), elems).max_abs;
-      } else {
+      } else if (config_.key_storage == kernels::KeyStorage::kFp8E4M3) {
         for (int64_t e = 0; e < elems; ++e) {
           m = std::max(m, std::fabs(kernels::Fp8E4M3ToFloat(page[e])));
+        }
+      } else {
+        for (int slot = 0; slot < kBlockSize; ++slot) {
+          kernels::LoadKey(page, config_.key_storage, config_.head_dim, 0, slot, key.data());
+          for (float v : key) m = std::max(m, std::fabs(v));
         }
       }
       RaiseKeyMax(l, m);

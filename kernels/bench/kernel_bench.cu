@@ -50,6 +50,35 @@ __global__ void FillRandom(uint8_t* out, int64_t n, uint64_t seed, bool fp8) {
   }
 }
 
+// The same pseudo-random values for fp4 pools: one thread per group of 16, quantised as the
+// append kernel quantises (kernels/numeric.h). `pages` pages of 128 keys of kD values.
+__global__ void FillRandomFp4(uint8_t* pool, int64_t pages, uint64_t seed) {
+  constexpr int kGroups = kD / indexer::kernels::kFp4GroupSize;
+  const int64_t n = pages * 128 * kGroups;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint16_t values[indexer::kernels::kFp4GroupSize];
+    for (int k = 0; k < indexer::kernels::kFp4GroupSize; ++k) {
+      uint64_t x = (i * indexer::kernels::kFp4GroupSize + k + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+      x ^= x >> 31;
+      x *= 0xBF58476D1CE4E5B9ull;
+      x ^= x >> 29;
+      const float f = static_cast<float>(x >> 40) / static_cast<float>(1ull << 24) * 4.0f - 2.0f;
+      values[k] = indexer::kernels::FloatToBf16(f);
+    }
+    const int64_t key = i / kGroups;
+    const int g = static_cast<int>(i % kGroups);
+    const int64_t page = key / 128;
+    const int slot = static_cast<int>(key % 128);
+    uint8_t codes[indexer::kernels::kFp4GroupSize / 2];
+    pool[indexer::kernels::Fp4ScalesOffset(page, slot, kD) + g] =
+        indexer::kernels::QuantizeFp4Group(values, codes);
+    for (int k = 0; k < indexer::kernels::kFp4GroupSize / 2; ++k) {
+      pool[indexer::kernels::Fp4CodesOffset(page, slot, kD) + g * 8 + k] = codes[k];
+    }
+  }
+}
+
 struct DecodeCase {
   int b;
   int64_t l;
@@ -157,7 +186,6 @@ struct Workload {
   Workload(const std::vector<int64_t>& lens, const std::vector<int64_t>& span_starts, int n, int h,
            KeyStorage st, kc::SpanPath path, int num_sms, int max_chunk, std::mt19937_64& rng)
       : starts(span_starts) {
-    const int elem = st == KeyStorage::kBf16 ? 2 : 1;
     std::vector<int64_t> nb(lens.size());
     for (size_t i = 0; i < lens.size(); ++i) nb[i] = (lens[i] + 127) / 128;
     used_pages = std::accumulate(nb.begin(), nb.end(), int64_t{0});
@@ -166,8 +194,13 @@ struct Workload {
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
     const int64_t pool_elems = pages * 128 * kD;
-    CHECK_CUDA(cudaMalloc(&pool, pool_elems * elem));
-    FillRandom<<<4096, 256>>>(static_cast<uint8_t*>(pool), pool_elems, rng(), st != KeyStorage::kBf16);
+    CHECK_CUDA(cudaMalloc(&pool, pages * indexer::kernels::PageBytes(st, kD)));
+    if (st == KeyStorage::kFp4E2M1) {
+      FillRandomFp4<<<4096, 256>>>(static_cast<uint8_t*>(pool), pages, rng());
+    } else {
+      FillRandom<<<4096, 256>>>(static_cast<uint8_t*>(pool), pool_elems, rng(),
+                                st != KeyStorage::kBf16);
+    }
     CHECK_CUDA(cudaGetLastError());
     const int64_t rows = int64_t{n} * h;
     const int64_t q_elems = static_cast<int64_t>(lens.size()) * rows * kD;
@@ -295,7 +328,8 @@ int main_impl(int argc, char** argv) {
       std::printf(
           "indexer-kernel-bench: times the CUDA selectors on seed_bench.py's cases.\n"
           "  --preset=decode|prefill|all   (default all)\n"
-          "  --storage=bf16|fp8|both       key cache type (default both; fp8 decode only)\n"
+          "  --storage=bf16|fp8|fp4|both|all  key cache types: both is bf16 and fp8, all adds fp4\n"
+          "                                (default both); prefill runs bf16, and fp4 when asked\n"
           "  --case=B,L,H,Q,DIST           a decode case instead of the preset (repeatable)\n"
           "  --reps=N                      timed runs per case (default 200)\n"
           "  --max-chunk=N                 decode: most blocks per CTA (default: 512 KB of keys, as\n"
@@ -349,8 +383,13 @@ int main_impl(int argc, char** argv) {
   const indexer::kernels::PageTableParams pt;
   std::vector<std::string> table;
   std::vector<KeyStorage> storages;
-  if (storage == "bf16" || storage == "both") storages.push_back(KeyStorage::kBf16);
-  if (storage == "fp8" || storage == "both") storages.push_back(KeyStorage::kFp8E4M3);
+  const bool every = storage == "all";
+  if (storage == "bf16" || storage == "both" || every) storages.push_back(KeyStorage::kBf16);
+  if (storage == "fp8" || storage == "both" || every) storages.push_back(KeyStorage::kFp8E4M3);
+  if (storage == "fp4" || every) storages.push_back(KeyStorage::kFp4E2M1);
+  // Prefill: bf16 (the reference case), and fp4 when asked for.
+  std::vector<KeyStorage> prefill_storages = {KeyStorage::kBf16};
+  if (storage == "fp4" || every) prefill_storages.push_back(KeyStorage::kFp4E2M1);
 
   const std::vector<DecodeCase>& decode = custom.empty() ? kDecodePreset : custom;
   if (preset == "decode" || preset == "all" || !custom.empty()) {
@@ -379,11 +418,11 @@ int main_impl(int argc, char** argv) {
         const std::string timeline_line = timeline ? TimelineLine(w, plan, st, pt, timer, stream) : "";
         CHECK_CUDA(cudaGraphExecDestroy(exec));
         CHECK_CUDA(cudaGraphDestroy(graph));
-        const int elem = st == KeyStorage::kBf16 ? 2 : 1;
-        const double bytes = static_cast<double>(w.used_pages) * 128 * kD * elem;
+        const double bytes =
+            static_cast<double>(w.used_pages) * indexer::kernels::PageBytes(st, kD);
         const double tbps = bytes / (replay * 1e-6) / 1e12;
         const double floor_us = bytes / (peak * 1e12) * 1e6;
-        const char* sname = st == KeyStorage::kBf16 ? "bf16" : "fp8";
+        const char* sname = indexer::kernels::KeyStorageName(st);
         std::printf(
             "{\"kind\": \"decode\", \"storage\": \"%s\", \"B\": %d, \"L\": %lld, \"H\": %d, \"Q\": %d, "
             "\"dist\": \"%s\", \"key_bytes\": %.0f, \"floor_us\": %.2f, \"graph_us\": %.2f, "
@@ -402,42 +441,43 @@ int main_impl(int argc, char** argv) {
     }
   }
   if (custom.empty() && (preset == "prefill" || preset == "all")) {
-    for (const PrefillCase& c : kPrefillPreset) {
-      const int64_t l = c.prefix + c.chunk;
-      std::vector<int64_t> lens(c.b, l), starts(c.b, c.prefix);
-      Workload w(lens, starts, static_cast<int>(c.chunk), c.h, KeyStorage::kBf16, kc::SpanPath::kPrefill,
-                 prop.multiProcessorCount, 0, rng);
-      const kc::PrefillPlan& plan = w.prefill_plan();
-      const auto launch = [&] {
-        CHECK_CUDA(kc::LaunchPrefillSelect(w.d_descs(), w.num_spans(), plan, KeyStorage::kBf16, kD, pt,
-                                           w.scores, stream));
-      };
-      const double us = timer.Median(launch, 5, std::max(5, reps / 4), stream);
-      // The two launches (scores, then top-k) timed on their own, the same way.
-      kc::LaunchList list;
-      CHECK_CUDA(kc::DescribePrefillSelect(w.d_descs(), w.num_spans(), plan, KeyStorage::kBf16, kD, pt,
-                                           w.scores, &list));
-      double part_us[2] = {0, 0};
-      for (int k = 0; k < 2 && k < list.size; ++k) {
-        kc::LaunchList one;
-        *one.Add() = list.items[k];
-        part_us[k] = timer.Median([&] { CHECK_CUDA(one.Enqueue(stream)); }, 5, std::max(5, reps / 4), stream);
+    for (KeyStorage st : prefill_storages) {
+      for (const PrefillCase& c : kPrefillPreset) {
+        const int64_t l = c.prefix + c.chunk;
+        std::vector<int64_t> lens(c.b, l), starts(c.b, c.prefix);
+        Workload w(lens, starts, static_cast<int>(c.chunk), c.h, st, kc::SpanPath::kPrefill,
+                   prop.multiProcessorCount, 0, rng);
+        const kc::PrefillPlan& plan = w.prefill_plan();
+        const auto launch = [&] {
+          CHECK_CUDA(kc::LaunchPrefillSelect(w.d_descs(), w.num_spans(), plan, st, kD, pt, w.scores, stream));
+        };
+        const double us = timer.Median(launch, 5, std::max(5, reps / 4), stream);
+        // The two launches (scores, then top-k) timed on their own, the same way.
+        kc::LaunchList list;
+        CHECK_CUDA(kc::DescribePrefillSelect(w.d_descs(), w.num_spans(), plan, st, kD, pt, w.scores, &list));
+        double part_us[2] = {0, 0};
+        for (int k = 0; k < 2 && k < list.size; ++k) {
+          kc::LaunchList one;
+          *one.Add() = list.items[k];
+          part_us[k] = timer.Median([&] { CHECK_CUDA(one.Enqueue(stream)); }, 5, std::max(5, reps / 4), stream);
+        }
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        const double flops = 2.0 * c.b * c.h * kD *
+                             (static_cast<double>(c.chunk) * c.prefix + 0.5 * c.chunk * (c.chunk + 1));
+        const char* sname = indexer::kernels::KeyStorageName(st);
+        std::printf(
+            "{\"kind\": \"prefill\", \"storage\": \"%s\", \"B\": %d, \"prefix\": %lld, \"chunk\": %lld, "
+            "\"H\": %d, \"total_us\": %.1f, \"score_us\": %.1f, \"topk_us\": %.1f, \"TFLOPs\": %.1f}\n",
+            sname, c.b, static_cast<long long>(c.prefix), static_cast<long long>(c.chunk), c.h, us, part_us[0],
+            part_us[1], flops / (us * 1e-6) / 1e12);
+        std::fflush(stdout);
+        char line[256];
+        std::snprintf(line, sizeof(line), "prefill %-4s B=%d prefix=%lld chunk=%lld H=%d  score+topk %9.1f us  (%.0f TFLOP/s "
+                      "useful; alone: score %.1f us at %.0f TFLOP/s, topk %.1f us)",
+                      sname, c.b, static_cast<long long>(c.prefix), static_cast<long long>(c.chunk), c.h, us,
+                      flops / (us * 1e-6) / 1e12, part_us[0], flops / (part_us[0] * 1e-6) / 1e12, part_us[1]);
+        table.push_back(line);
       }
-      CHECK_CUDA(cudaStreamSynchronize(stream));
-      const double flops = 2.0 * c.b * c.h * kD *
-                           (static_cast<double>(c.chunk) * c.prefix + 0.5 * c.chunk * (c.chunk + 1));
-      std::printf(
-          "{\"kind\": \"prefill\", \"B\": %d, \"prefix\": %lld, \"chunk\": %lld, \"H\": %d, \"total_us\": %.1f, "
-          "\"score_us\": %.1f, \"topk_us\": %.1f, \"TFLOPs\": %.1f}\n",
-          c.b, static_cast<long long>(c.prefix), static_cast<long long>(c.chunk), c.h, us, part_us[0], part_us[1],
-          flops / (us * 1e-6) / 1e12);
-      std::fflush(stdout);
-      char line[256];
-      std::snprintf(line, sizeof(line), "prefill B=%d prefix=%lld chunk=%lld H=%d  score+topk %9.1f us  (%.0f TFLOP/s useful; "
-                    "alone: score %.1f us at %.0f TFLOP/s, topk %.1f us)",
-                    c.b, static_cast<long long>(c.prefix), static_cast<long long>(c.chunk), c.h, us,
-                    flops / (us * 1e-6) / 1e12, part_us[0], flops / (part_us[0] * 1e-6) / 1e12, part_us[1]);
-      table.push_back(line);
     }
   }
   std::printf("\n");

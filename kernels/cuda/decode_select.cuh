@@ -18,6 +18,13 @@
 // SPEC.md allows: only the summation order changes. That mma runs in f16 with the queries
 // converted to f16 too, exact for the queries the backend sends here (|q| in [2^-14, 65504] or
 // 0; others take the exact path).
+//
+// fp4 pages stream as their codes (swizzled like the other storages' rows) and their scales
+// (copied as they are). A lane's 32-bit word of codes holds 8 values of one group; they are
+// decoded in registers to f16 code * scale, exact (at most 6 significant bits, magnitudes in
+// [2^-10, 2688]): each code is rewritten as an e4m3 byte of value code * 2^-6, converted to f16
+// by the same instruction as fp8, and multiplied by scale * 2^6 (exact in f16). Even and odd
+// values of a word feed different k-steps, again permuting dimensions for keys and queries alike.
 #pragma once
 
 #include <cuda/atomic>
@@ -110,34 +117,51 @@ __device__ __forceinline__ DecodeUnitSpan FindDecodeSpan(const unsigned char* in
 
 template <int D, KeyStorage S>
 struct DecodeShape {
-  static constexpr int kRowBytes = S == KeyStorage::kBf16 ? D * 2 : D;
-  static constexpr int kRowChunks = kRowBytes / 16;  // 16-byte chunks per key row: 4 to 32
-  static constexpr int kPageBytes = kRowBytes * kBlockSize;
-  static constexpr int kPageChunks = kPageBytes / 16;
+  // Bytes of a key row as ldmatrix reads it: the whole key, or an fp4 key's codes.
+  static constexpr int kRowBytes =
+      S == KeyStorage::kBf16 ? D * 2 : (S == KeyStorage::kFp8E4M3 ? D : D / 2);
+  static constexpr int kRowChunks = kRowBytes / 16;  // 16-byte chunks per key row: 2 to 32
+  static constexpr int kRowsBytes = kRowBytes * kBlockSize;  // a page's rows (fp4: its codes)
+  // fp4 scales follow the codes, in the page as in its stage: one byte per group of 16.
+  static constexpr int kScaleBytes = S == KeyStorage::kFp4E2M1 ? kBlockSize * D / kFp4GroupSize : 0;
+  static constexpr int kScaleChunks = kScaleBytes / 16;
+  static constexpr int kPageBytes = kRowsBytes + kScaleBytes;
+  static_assert(kPageBytes == PageBytes(S, D), "the pool's page layout (numeric.h)");
   // Pages in flight per CTA (docs/PERF.md): three 32 KB (or larger) pages, two CTAs per
   // multiprocessor; smaller pages four or more, 64 KB in all (six 16 KB stages streamed slower
   // than four on the H200).
   static constexpr int kStages =
-      kPageBytes >= 32768 ? 3 : (65536 / kPageBytes > 8 ? 8 : (65536 / kPageBytes < 4 ? 4 : 65536 / kPageBytes));
+      kPageBytes >= 32768
+          ? 3
+          : (65536 / kPageBytes > 16 ? 16 : (65536 / kPageBytes < 4 ? 4 : 65536 / kPageBytes));
   static constexpr int kStageBytes = kStages * kPageBytes;
   static_assert(kStageBytes >= kRegisterTopKSmemBytes, "the register top-k's buffers fit the stages");
-  static_assert(kPageChunks % (kDecodeWarps * 32) == 0, "whole copy rounds");
+  static_assert(kRowsBytes % (kDecodeWarps * 32 * 16) == 0, "whole copy rounds");
+  static_assert(kScaleChunks <= kDecodeWarps * 32, "one scale chunk per thread at most");
+  static_assert(kPageBytes % 16 == 0, "pages stay 16-byte aligned");
   // Where logical chunk c of row r sits in a staged page: ldmatrix reads one chunk of 8
   // consecutive rows at a time, and the swizzle puts those 8 on 8 different bank groups.
   static __device__ __forceinline__ int Chunk(int r, int c) {
     if constexpr (kRowChunks >= 8) {
       return r * kRowChunks + (c ^ (r & 7));
-    } else {
+    } else if constexpr (kRowChunks == 4) {
       return r * kRowChunks + (c ^ ((r >> 1) & 3));  // two 64-byte rows per 128-byte line
+    } else {
+      return r * kRowChunks + (c ^ ((r >> 2) & 1));  // four 32-byte rows per 128-byte line
     }
   }
-  // First dim of the query pair in k-slots (2t + 8j, +1) of k-step ks: the natural order for
-  // bf16; for fp8, ldmatrix gives lane t the dims 4t..4t+3 of a 16-dim chunk (one k-step).
-  static __device__ __forceinline__ int PairDim(int t, int ks, int j) {
+  // Dims of the query values in k-slots 2t + 8j (first) and 2t + 8j + 1 (second) of k-step ks:
+  // the natural order for bf16; for fp8, ldmatrix gives lane t the dims 4t..4t+3 of a 16-dim
+  // chunk (one k-step); for fp4, the dims 8t..8t+7 of a 32-dim chunk c, whose even dims are
+  // k-step 2c and odd dims k-step 2c + 1 (DecodeFp4Word's pairs).
+  static __device__ __forceinline__ int2 QueryDims(int t, int ks, int j) {
     if constexpr (S == KeyStorage::kBf16) {
-      return 16 * ks + 8 * j + 2 * t;
+      return make_int2(16 * ks + 8 * j + 2 * t, 16 * ks + 8 * j + 2 * t + 1);
+    } else if constexpr (S == KeyStorage::kFp8E4M3) {
+      return make_int2(16 * ks + 4 * t + 2 * j, 16 * ks + 4 * t + 2 * j + 1);
     } else {
-      return 16 * ks + 4 * t + 2 * j;
+      const int d = 32 * (ks >> 1) + 8 * t + 4 * j + (ks & 1);
+      return make_int2(d, d + 2);
     }
   }
 };
@@ -206,7 +230,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   // thread computes one source and one destination address (recomputing every chunk's address
   // per page would cost tens of instructions per page, and the integer pipe is the busiest).
   constexpr int kRoundBytes = kDecodeWarps * 32 * 16;  // one 16-byte copy per thread
-  constexpr int kCopies = Shape::kPageBytes / kRoundBytes;
+  constexpr int kCopies = Shape::kRowsBytes / kRoundBytes;
   static_assert((kDecodeWarps * 32 / Shape::kRowChunks) % 8 == 0, "256 chunks span whole swizzle periods");
   const int copy_dst = Shape::Chunk(threadIdx.x / Shape::kRowChunks, threadIdx.x % Shape::kRowChunks) * 16;
   const auto issue = [&](int b) {
@@ -215,6 +239,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
       char* dst = smem + ((b - b_begin) % kStages) * Shape::kPageBytes + copy_dst;
 #pragma unroll
       for (int i = 0; i < kCopies; ++i) CpAsync16(dst + i * kRoundBytes, src + i * kRoundBytes);
+      if constexpr (Shape::kScaleChunks > 0) {
+        if (threadIdx.x < Shape::kScaleChunks) {
+          CpAsync16(dst - copy_dst + Shape::kRowsBytes + threadIdx.x * 16, src + Shape::kRowsBytes);
+        }
+      }
     }
     CpAsyncCommit();  // empty groups past the end keep the wait count uniform
   };
@@ -231,7 +260,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
     for (int ks = 0; ks < kSteps; ++ks) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        uint32_t x = qrow < rows ? q[Shape::PairDim(t, ks, j) / 2] : 0u;
+        const int2 dims = Shape::QueryDims(t, ks, j);
+        const uint16_t* qh = reinterpret_cast<const uint16_t*>(q);
+        uint32_t x = qrow < rows ? uint32_t{qh[dims.x]} | (uint32_t{qh[dims.y]} << 16) : 0u;
         if constexpr (S != KeyStorage::kBf16) x = Bf16x2ToF16x2(x);
         query_frags[nt][ks][j] = x;
       }
@@ -300,6 +331,30 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
           uint32_t a[4];
           LdMatrixX4(a, stage + Shape::Chunk(ld_row, 2 * ks + ld_half) * 16);
           mma(ks, a);
+        }
+      } else if constexpr (S == KeyStorage::kFp4E2M1) {
+        // One ldmatrix.x4 per four k-steps: word t of code chunks 2kp, 2kp + 1 of rows g and
+        // g + 8, 8 values of group 4kp + 2h + t / 2 each; their scales from the row's scale bytes.
+        const unsigned char* scale_rows =
+            reinterpret_cast<const unsigned char*>(stage) + Shape::kRowsBytes;
+        Fp4ScaleRow<D> scales_g, scales_g8;
+        scales_g.Load(scale_rows + (warp * 16 + g) * (D / kFp4GroupSize));
+        scales_g8.Load(scale_rows + (warp * 16 + g + 8) * (D / kFp4GroupSize));
+#pragma unroll
+        for (int kp = 0; kp < kSteps / 4; ++kp) {
+          uint32_t r[4];
+          LdMatrixX4(r, stage + Shape::Chunk(ld_row, 2 * kp + ld_half) * 16);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int group = 4 * kp + 2 * h;  // + t / 2, which Fp4ScaleRow::F16x2 adds
+            uint32_t pg[4], pg8[4];
+            DecodeFp4Word(r[2 * h], scales_g.F16x2(group, t), pg);
+            DecodeFp4Word(r[2 * h + 1], scales_g8.F16x2(group, t), pg8);
+            const uint32_t even[4] = {pg[0], pg8[0], pg[1], pg8[1]};
+            const uint32_t odd[4] = {pg[2], pg8[2], pg[3], pg8[3]};
+            mma(4 * kp + 2 * h, even);
+            mma(4 * kp + 2 * h + 1, odd);
+          }
         }
       } else {
         // One ldmatrix.x4 per two k-steps: word t of chunks 2kp, 2kp + 1 of rows g and g + 8.

@@ -1,5 +1,5 @@
 // Small device helpers shared by the CUDA selectors: tensor-core mma, ldmatrix, cp.async,
-// fp8 -> bf16 / f16 conversion, and the forced-score rule of SPEC.md.
+// fp8 -> bf16 / f16 and fp4 -> f16 conversion, and the forced-score rule of SPEC.md.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,6 +44,11 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
 }
+// 4-byte global -> shared copy (through L1: .cg takes 16 bytes only).
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(addr), "l"(gmem));
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
@@ -73,6 +78,73 @@ __device__ __forceinline__ uint32_t Bf16x2ToF16x2(uint32_t v) {
   const float hi = __uint_as_float(v & 0xffff0000u);
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Two f16 products, a * b per half, rounded to nearest (exact where the callers use it).
+__device__ __forceinline__ uint32_t MulF16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// f16x2 of 2^6 in both halves.
+inline constexpr uint32_t kF16x2TwoPow6 = 0x54005400u;
+
+// One fp4 key's scale bytes (D / 16, one per group) in registers, from a staged page.
+template <int D>
+struct Fp4ScaleRow {
+  static constexpr int kWords = D / 64;
+  uint32_t words[kWords];
+
+  // `row`: the key's first scale byte in shared memory (D / 16-byte aligned).
+  __device__ __forceinline__ void Load(const unsigned char* row) {
+    if constexpr (kWords == 1) {
+      words[0] = *reinterpret_cast<const uint32_t*>(row);
+    } else if constexpr (kWords == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(row);
+      words[0] = v.x;
+      words[1] = v.y;
+    } else {
+      const uint4 v = *reinterpret_cast<const uint4*>(row);
+      words[0] = v.x;
+      words[1] = v.y;
+      words[2] = v.z;
+      words[3] = v.w;
+    }
+  }
+
+  // scale * 2^6 of group `group_base` + t / 2 in both halves of an f16x2 (exact: at most
+  // 448 * 64). group_base is a multiple of 2 known at compile time; t < 4.
+  __device__ __forceinline__ uint32_t F16x2(int group_base, int t) const {
+    const uint32_t byte = static_cast<uint32_t>((group_base & 3) + (t >> 1));
+    const uint32_t pair = __byte_perm(words[group_base >> 2], 0u, byte * 0x11u);
+    return MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(pair & 0xffffu)), kF16x2TwoPow6);
+  }
+};
+
+// Eight e2m1 codes (nibble k = value k of a run of 8 in one group) -> code * scale as f16,
+// exact, with `scale64` = scale * 2^6 in both halves (Fp4ScaleRow::F16x2): e4m3 bytes of
+// code * 2^-6 (numeric.h's Fp4CodesToE4M3), converted to f16 exactly, times scale * 2^6.
+// out[0] = values (0, 2), out[1] = (4, 6), out[2] = (1, 3), out[3] = (5, 7), the first of each
+// pair in the low half.
+__device__ __forceinline__ void DecodeFp4Word(uint32_t w, uint32_t scale64, uint32_t (&out)[4]) {
+  uint32_t even, odd;
+  Fp4CodesToE4M3(w, &even, &odd);
+  out[0] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(even & 0xffffu)), scale64);
+  out[1] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(even >> 16)), scale64);
+  out[2] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(odd & 0xffffu)), scale64);
+  out[3] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(odd >> 16)), scale64);
+}
+
+// f16x2 -> two floats, exactly.
+__device__ __forceinline__ float2 F16x2ToFloat2(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
+// Two floats that bf16 represents -> bf16x2 (low half first), exactly.
+__device__ __forceinline__ uint32_t Float2ToBf16x2(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
 }
 
 // SPEC.md step 3 for block b of a row that sees v blocks.

@@ -29,6 +29,10 @@
       constexpr auto STORAGE = ::indexer::kernels::KeyStorage::kBf16; \
       return __VA_ARGS__();                                          \
     }                                                                \
-    constexpr auto STORAGE = ::indexer::kernels::KeyStorage::kFp8E4M3; \
+    if ((storage) == ::indexer::kernels::KeyStorage::kFp8E4M3) {     \
+      constexpr auto STORAGE = ::indexer::kernels::KeyStorage::kFp8E4M3; \
+      return __VA_ARGS__();                                          \
+    }                                                                \
+    constexpr auto STORAGE = ::indexer::kernels::KeyStorage::kFp4E2M1; \
     return __VA_ARGS__();                                            \
   }()

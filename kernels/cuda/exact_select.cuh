@@ -1,8 +1,8 @@
 // Exact selector: block scores computed exactly as the CPU reference computes them (fp32
 // products and sums, separately rounded, in the reference's order), for the rare spans where
 // the tensor-core selectors could differ by more than rounding: values large enough for fp32
-// products or sums to overflow (Inf and NaN dot products), or, for fp8 keys, queries outside
-// f16's exact range. Slow and simple; top-k is PrefillTopkKernel's.
+// products or sums to overflow (Inf and NaN dot products), or, for fp8 and fp4 keys, queries
+// outside f16's exact range. Slow and simple; top-k is PrefillTopkKernel's.
 //
 // One CTA per (tile of ExactRowTile rows, chunk of blocks), as PlanPrefill lays them out;
 // thread r owns row r of the tile and walks the tokens of the chunk.
@@ -40,14 +40,14 @@ __global__ void __launch_bounds__(128) ExactScoreKernel(const SpanDesc* spans, i
     float best = NaNf();
     const int64_t t_end = min(b * kBlockSize + kBlockSize - 1, pos);
     for (int64_t t = b * kBlockSize; t <= t_end; ++t) {
-      const int64_t base = (page * kBlockSize + (t - b * kBlockSize)) * D;
+      const int slot = static_cast<int>(t - b * kBlockSize);
       float acc[16];
 #pragma unroll
       for (int j = 0; j < 16; ++j) acc[j] = 0.f;
       for (int d = 0; d < D; d += 16) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          const float k = StoredKeyToFloat(s.keys, base + d + j, S);
+          const float k = StoredKeyValue(s.keys, S, D, page, slot, d + j);
           acc[j] = __fadd_rn(acc[j], __fmul_rn(Bf16ToFloat(q[d + j][threadIdx.x]), k));
         }
       }

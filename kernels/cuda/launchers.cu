@@ -120,7 +120,7 @@ cudaError_t LaunchAppendKeys(const AppendArgs& args, KeyStorage storage, int hea
   LaunchList list;
   const cudaError_t err = INDEXER_DISPATCH_HEAD_DIM(head_dim, D, [&] {
     return INDEXER_DISPATCH_STORAGE(storage, S, [&] {
-      const int64_t threads = args.num_tokens * args.layer_count * (D / 8);
+      const int64_t threads = args.num_tokens * args.layer_count * (D / AppendValuesPerThread(S));
       const int block = 256;
       return Describe(AppendKeysKernel<D, S>, dim3(static_cast<unsigned>((threads + block - 1) / block)),
                       dim3(block), 0, &list, args);
@@ -138,7 +138,7 @@ cudaError_t DescribeAppendKeysBatch(const AppendArgs* d_writes, int count, int64
     return INDEXER_DISPATCH_STORAGE(storage, S, [&]() -> cudaError_t {
       const int block = 128;
       // Grid-stride in x: at most 64 blocks per write, enough for a prefill chunk to spread.
-      const int64_t threads = max_tokens_x_layers * (D / 8);
+      const int64_t threads = max_tokens_x_layers * (D / AppendValuesPerThread(S));
       const unsigned x = static_cast<unsigned>(std::min<int64_t>((threads + block - 1) / block, 64));
       for (int first = 0; first < count; first += 65535) {
         const unsigned y = static_cast<unsigned>(std::min(count - first, 65535));

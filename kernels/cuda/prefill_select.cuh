@@ -30,12 +30,16 @@ struct PrefillShape {
   static constexpr int kRowsPerCta = kWarpGroups * 64;
   static constexpr int kSteps = D / 16;                       // k-steps of 16 dimensions
   static constexpr int kStageBytes = kBlockSize * D * 2;      // one block in bf16
-  static constexpr int kRawStageBytes = S == KeyStorage::kBf16 ? 0 : kBlockSize * D;  // as stored
+  // Keys as stored: fp8 values, or fp4 codes followed by each copying thread's scale words.
+  static constexpr int kRawStageBytes = S == KeyStorage::kBf16      ? 0
+                                        : S == KeyStorage::kFp8E4M3 ? kBlockSize * D
+                                                                    : kBlockSize * D / 2 * 5 / 4;
   static constexpr int kStages = kMinBlocks == 2 ? std::min(3, (112 << 10) / (kStageBytes + kRawStageBytes))
                                                 : std::min(4, (200 << 10) / (kStageBytes + kRawStageBytes));
   static constexpr int kSmemBytes = kStages * (kStageBytes + kRawStageBytes) + 1024;  // + alignment
   // The swizzle of a thread's copies repeats: each pass over a block moves it by a multiple of 8 tokens.
-  static_assert((kThreads / (D / 8)) % 8 == 0 && (kThreads / (D / 16)) % 8 == 0);
+  static_assert((kThreads / (D / 8)) % 8 == 0 && (kThreads / (D / 16)) % 8 == 0 &&
+                (kThreads / (D / 32)) % 8 == 0);
   static_assert(kStages >= 2);
   static_assert(kRowsPerCta == PrefillRowTile(D), "PlanPrefill lays the units out by PrefillRowTile");
 };
@@ -147,7 +151,9 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
   const auto raw_off = [](int stage) { return kStages * Shape::kStageBytes + stage * Shape::kRawStageBytes; };
   // This thread's copies: chunk threadIdx.x + kThreads * i of the block. Its swizzled destination
   // moves by a whole number of 8-token atoms per i, so one offset serves every pass.
-  constexpr int kChunksPerToken = S == KeyStorage::kBf16 ? D / 8 : D / 16;
+  // 16-byte chunks of a token's stored values: 8 bf16, 16 fp8 or 32 fp4 codes (two groups).
+  constexpr int kChunksPerToken =
+      S == KeyStorage::kBf16 ? D / 8 : (S == KeyStorage::kFp8E4M3 ? D / 16 : D / 32);
   constexpr int kCopyChunks = kBlockSize * kChunksPerToken;
   constexpr int kTokensPerPass = kThreads / kChunksPerToken;
   const int my_token = threadIdx.x / kChunksPerToken;
@@ -155,13 +161,20 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
   const int my_dst = S == KeyStorage::kBf16 ? StagedChunk(my_token, my_chunk) : threadIdx.x * 16;
   const auto issue = [&](int b, int stage) {
     const int64_t page = s.block_table[b];
-    const char* src = static_cast<const char*>(s.keys) + page * (kBlockSize * D * (S == KeyStorage::kBf16 ? 2 : 1)) +
-                      threadIdx.x * 16;
+    const char* page_src = static_cast<const char*>(s.keys) + page * PageBytes(S, D);
+    const char* src = page_src + threadIdx.x * 16;
     char* dst = smem + (S == KeyStorage::kBf16 ? stage_off(stage) : raw_off(stage)) + my_dst;
 #pragma unroll
     for (int i = 0; i < kCopyChunks / kThreads; ++i) {
       CpAsync16(dst + (S == KeyStorage::kBf16 ? i * kTokensPerPass * 128 : i * kThreads * 16),
                 src + i * kThreads * 16);
+      if constexpr (S == KeyStorage::kFp4E2M1) {
+        // The word holding this chunk's two scales (groups 2 my_chunk, + 1), into a slot of this
+        // thread's own: it widens the chunk itself, with no barrier between copy and use.
+        const int token = my_token + i * kTokensPerPass;
+        CpAsync4(smem + raw_off(stage) + kBlockSize * D / 2 + (i * kThreads + threadIdx.x) * 4,
+                 page_src + Fp4ScalesOffset(0, token, D) + (my_chunk >> 1) * 4);
+      }
     }
   };
 
@@ -193,6 +206,34 @@ __global__ void __launch_bounds__(PrefillShape<D, S>::kThreads, PrefillShape<D, 
         const int token = my_token + k * kTokensPerPass;
         *reinterpret_cast<uint4*>(out + StagedChunk(token, 2 * my_chunk)) = make_uint4(o[0], o[1], o[2], o[3]);
         *reinterpret_cast<uint4*>(out + StagedChunk(token, 2 * my_chunk + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
+      }
+    }
+    if constexpr (S == KeyStorage::kFp4E2M1) {
+      // Each thread widens the code chunks it copied itself (32 values -> four bf16 chunks).
+      const char* raw = smem + raw_off(stage);
+      char* out = smem + stage_off(stage);
+#pragma unroll
+      for (int k = 0; k < kCopyChunks / kThreads; ++k) {
+        const uint4 v = *reinterpret_cast<const uint4*>(raw + (k * kThreads + threadIdx.x) * 16);
+        const int copy = k * kThreads + threadIdx.x;
+        const uint32_t scales = *reinterpret_cast<const uint32_t*>(raw + kBlockSize * D / 2 + copy * 4);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+        const int token = my_token + k * kTokensPerPass;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          // Word j: values 8j .. 8j + 7 of the chunk, in group 2 my_chunk + j / 2.
+          const uint32_t byte = static_cast<uint32_t>(2 * (my_chunk & 1) + (j >> 1));
+          const uint32_t pair = __byte_perm(scales, 0u, byte * 0x11u);
+          const uint32_t scale64 =
+              MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(pair & 0xffffu)), kF16x2TwoPow6);
+          uint32_t h[4];
+          DecodeFp4Word(w[j], scale64, h);
+          const float2 v02 = F16x2ToFloat2(h[0]), v46 = F16x2ToFloat2(h[1]);
+          const float2 v13 = F16x2ToFloat2(h[2]), v57 = F16x2ToFloat2(h[3]);
+          *reinterpret_cast<uint4*>(out + StagedChunk(token, 4 * my_chunk + j)) =
+              make_uint4(Float2ToBf16x2(v02.x, v13.x), Float2ToBf16x2(v02.y, v13.y),
+                         Float2ToBf16x2(v46.x, v57.x), Float2ToBf16x2(v46.y, v57.y));
+        }
       }
     }
 #if defined(INDEXER_HAVE_WGMMA)

@@ -92,7 +92,12 @@ SpanPath ChoosePath(int rows, int head_dim, KeyStorage storage, const Bf16Range&
                     float max_abs_key) {
   // Bound on any partial sum's magnitude; past 2^126 fp32 overflow (Inf, NaN) becomes possible
   // and the tensor cores, which keep products exact, could answer differently.
-  const double bound = static_cast<double>(head_dim) * queries.max_abs * max_abs_key;
+  // fp4 stores at most 6 * 448 and, below that, at most amax * (1 + 2^-4) (the scale rounds up
+  // by at most half an e4m3 step) plus the absolute error of a subnormal scale.
+  const double key_bound = storage == KeyStorage::kFp4E2M1
+                               ? std::min(2688.0, max_abs_key * 1.0625 + 0.01)
+                               : static_cast<double>(max_abs_key);
+  const double bound = static_cast<double>(head_dim) * queries.max_abs * key_bound;
   if (bound >= 0x1p126) return SpanPath::kExact;
   if (rows > MaxDecodeRows(head_dim)) return SpanPath::kPrefill;
   if (storage != KeyStorage::kBf16 && !queries.fits_f16) return SpanPath::kExact;

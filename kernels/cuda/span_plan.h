@@ -32,7 +32,7 @@ struct DecodePlan {
 // leaves per-CTA set-up and the final atomics unamortised; more gains nothing on large batches and
 // unbalances ragged ones (docs/PERF.md).
 INDEXER_HD int DecodeChunkBlocks(int head_dim, KeyStorage storage) {
-  const int page_bytes = kBlockSize * head_dim * KeyStorageBytes(storage);
+  const int page_bytes = static_cast<int>(PageBytes(storage, head_dim));
   const int blocks = (512 * 1024) / page_bytes;
   return blocks < 4 ? 4 : (blocks > 64 ? 64 : blocks);
 }
@@ -74,8 +74,9 @@ struct Bf16Range {
 };
 Bf16Range ScanBf16(const uint16_t* values, int64_t n);
 
-// kExact when fp32 products or sums could overflow (head_dim * max|q| * max|k| >= 2^126), or
-// for fp8 keys on the decode path when a query does not fit f16; else kDecode for spans of at
+// kExact when fp32 products or sums could overflow (head_dim * max|q| * max|k| >= 2^126, with
+// max|k| the largest stored value the written keys can give), or for fp8 and fp4 keys on the
+// decode path (f16 products) when a query does not fit f16; else kDecode for spans of at
 // most MaxDecodeRows rows, kPrefill for the rest.
 SpanPath ChoosePath(int rows, int head_dim, KeyStorage storage, const Bf16Range& queries,
                     float max_abs_key);

@@ -281,7 +281,8 @@ class CheckerTest : public ::testing::Test {
 };
 
 TEST_F(CheckerTest, AcceptsTheReferenceAndCatchesChanges) {
-  for (kernels::KeyStorage storage : {kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3}) {
+  for (kernels::KeyStorage storage : {kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3,
+                                      kernels::KeyStorage::kFp4E2M1}) {
     HostKeys keys(kLayers, kD, storage);
     Fill(keys, 1000, rng_);
     CheckParams p;

@@ -330,6 +330,11 @@ TEST(EngineConfig, ValidateNamesTheSettingOutOfRange) {
   c.key_storage = kernels::KeyStorage::kFp8E4M3;
   c.layers = 3;
   EXPECT_EQ(c.BytesPerPage(), 128 * 128 * 1 * 3);
+  // fp4: 64 code bytes and 8 scale bytes per 128-dim key.
+  c.key_storage = kernels::KeyStorage::kFp4E2M1;
+  EXPECT_EQ(c.BytesPerPage(), 128 * 72 * 3);
+  c.head_dim = 64;
+  EXPECT_EQ(c.BytesPerPage(), 128 * 36 * 3);
 }
 
 }  // namespace

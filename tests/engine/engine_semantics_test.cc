@@ -345,6 +345,19 @@ TEST_F(EngineTest, Fp8StorageSelectsLikeTheReferenceOnFp8Keys) {
   }
 }
 
+TEST_F(EngineTest, Fp4StorageSelectsLikeTheReferenceOnFp4Keys) {
+  EngineConfig c = SmallEngineConfig();
+  c.key_storage = kernels::KeyStorage::kFp4E2M1;
+  c.layers = 2;
+  Init(c);
+  AppendOk("q", 0, 300);
+  AppendOk("q", 1, 260);
+  for (int l = 0; l < 2; ++l) {
+    ExpectSelects("q", l);
+    ExpectSelects("q", l, 9, 100);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Validation: every refusal names the field and applies nothing
 

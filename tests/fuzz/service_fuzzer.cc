@@ -269,8 +269,8 @@ class Harness {
     const engine::EngineStats stats = engine_->Stats();
     s.free_pages = stats.free_pages;
     s.live = stats.live_sequences;
-    const int elem = kernels::KeyStorageBytes(config_.key_storage);
-    const int64_t row = int64_t{kHeadDim} * elem;
+    // Rows are contiguous in the storages the fuzzer runs (bf16 and fp8).
+    const int64_t row = kernels::KeyBytes(config_.key_storage, kHeadDim);
     for (const std::string& id : ids_) {
       absl::StatusOr<engine::SequenceInfo> info = engine_->Get(id);
       if (!info.ok()) {

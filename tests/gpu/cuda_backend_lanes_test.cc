@@ -69,18 +69,16 @@ std::string Describe(const PoolCase& c, const SpanCase& s) {
          std::to_string(s.num_heads) + ", topk " + std::to_string(s.params.topk) + ", init " +
          std::to_string(s.params.init_blocks) + ", local " + std::to_string(s.params.local_blocks) +
          ", head_dim " + std::to_string(c.head_dim) +
-         (c.storage == KeyStorage::kBf16 ? ", bf16)" : ", fp8)");
+         ", " + kernels::KeyStorageName(c.storage) + ")";
 }
 
-// The bf16 key of token t of span s, as the case's pool holds it (fp8 values are exact in bf16).
+// The bf16 key of token t of span s, as the case's pool holds it (fp8 and fp4 values are exact
+// in bf16, and storing a stored fp4 key again gives the same bytes unless its scale is subnormal,
+// which the cases' values never make).
 uint16_t KeyBits(const PoolCase& c, const SpanCase& s, int64_t t, int i) {
-  const int64_t slot = int64_t{s.block_table[t / kBlockSize]} * kBlockSize + t % kBlockSize;
-  if (c.storage == KeyStorage::kBf16) {
-    uint16_t v;
-    std::memcpy(&v, &c.pool[(slot * c.head_dim + i) * 2], 2);
-    return v;
-  }
-  return kernels::FloatToBf16(kernels::Fp8E4M3ToFloat(c.pool[slot * c.head_dim + i]));
+  return kernels::FloatToBf16(kernels::StoredKeyValue(c.pool.data(), c.storage, c.head_dim,
+                                                      s.block_table[t / kBlockSize],
+                                                      static_cast<int>(t % kBlockSize), i));
 }
 
 // Writes every span's keys through WriteKeys in random-sized chunks.
@@ -235,7 +233,7 @@ class CudaLanesTest : public GpuTest {
     ASSERT_OK(LoadCase(*backend, a, rng_));
 
     // Pages of A as written, read back before the storm.
-    const int64_t page_bytes = int64_t{2} * kBlockSize * config.head_dim * kernels::KeyStorageBytes(storage);
+    const int64_t page_bytes = 2 * kernels::PageBytes(storage, config.head_dim);
     std::vector<int32_t> probe;
     for (int i = 0; i < 4; ++i) probe.push_back(a.global_bt[rng_() % a.global_bt.size()][0]);
     std::vector<uint8_t> expected(probe.size() * page_bytes);
@@ -323,6 +321,7 @@ TEST_F(CudaLanesTest, ConcurrentSelectsOnTwoLanesWithGraphs) {
   ConcurrentRun(KeyStorage::kBf16, Values::kReal, 2, true);
   if (HasFatalFailure()) return;
   ConcurrentRun(KeyStorage::kFp8E4M3, Values::kIntegers, 2, true);
+  ConcurrentRun(KeyStorage::kFp4E2M1, Values::kIntegers, 2, true);
 }
 
 TEST_F(CudaLanesTest, ConcurrentSelectsOnThreeLanesWithoutGraphs) {
@@ -337,8 +336,9 @@ TEST_F(CudaLanesTest, GraphReplayMatchesDirectLaunches) {
   };
   for (const Variant& v : {Variant{KeyStorage::kBf16, Values::kReal, 0.0},
                            Variant{KeyStorage::kFp8E4M3, Values::kIntegers, 0.0},
+                           Variant{KeyStorage::kFp4E2M1, Values::kReal, 0.0},
                            Variant{KeyStorage::kBf16, Values::kIntegers, 0.2}}) {
-    SCOPED_TRACE("seed " + std::to_string(seed_) + (v.storage == KeyStorage::kBf16 ? ", bf16" : ", fp8") +
+    SCOPED_TRACE("seed " + std::to_string(seed_) + ", " + kernels::KeyStorageName(v.storage) +
                  (v.huge > 0 ? ", exact path" : ""));
     LoadedCase lc;
     lc.c = MixedCase(v.storage, v.values, 30, 3, v.huge);
@@ -409,8 +409,8 @@ TEST_F(CudaLanesTest, GraphReplayMatchesDirectLaunches) {
 // with a prefill chunk now and then; the CUDA backends (graphs on and off) on a slot starting
 // at page 300 answer exactly as the CPU backend does (integer keys: sums are exact).
 TEST_F(CudaLanesTest, DecodeLoopMatchesCpuBackend) {
-  for (KeyStorage storage : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
-    SCOPED_TRACE("seed " + std::to_string(seed_) + (storage == KeyStorage::kBf16 ? ", bf16" : ", fp8"));
+  for (KeyStorage storage : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
+    SCOPED_TRACE("seed " + std::to_string(seed_) + ", " + kernels::KeyStorageName(storage));
     constexpr int64_t kFirst = 300;
     constexpr int64_t kPages = 1024;
     EngineConfig config;
@@ -507,8 +507,8 @@ TEST_F(CudaLanesTest, DecodeLoopMatchesCpuBackend) {
 }
 
 TEST_F(CudaLanesTest, SlotWithFirstPageTakesGlobalIdsAndRefusesOthers) {
-  for (KeyStorage storage : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
-    SCOPED_TRACE("seed " + std::to_string(seed_) + (storage == KeyStorage::kBf16 ? ", bf16" : ", fp8"));
+  for (KeyStorage storage : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
+    SCOPED_TRACE("seed " + std::to_string(seed_) + ", " + kernels::KeyStorageName(storage));
     LoadedCase lc;
     lc.c = MixedCase(storage, Values::kReal, 10, 1);
     lc.layer = 1;
@@ -545,8 +545,7 @@ TEST_F(CudaLanesTest, SlotWithFirstPageTakesGlobalIdsAndRefusesOthers) {
       }
       EXPECT_EQ(backend->CopyPage(bad, static_cast<int32_t>(first)).code(), absl::StatusCode::kInternal);
       EXPECT_EQ(backend->CopyPage(static_cast<int32_t>(first), bad).code(), absl::StatusCode::kInternal);
-      std::vector<uint8_t> bytes(static_cast<size_t>(2) * 2 * kBlockSize * config.head_dim *
-                                 kernels::KeyStorageBytes(storage));
+      std::vector<uint8_t> bytes(static_cast<size_t>(2 * 2 * kernels::PageBytes(storage, config.head_dim)));
       const std::vector<int32_t> two = {static_cast<int32_t>(first), bad};
       EXPECT_EQ(backend->ReadPages(two, bytes.data()).code(), absl::StatusCode::kInternal);
       EXPECT_EQ(backend->WritePages(two, bytes.data()).code(), absl::StatusCode::kInternal);
@@ -557,7 +556,7 @@ TEST_F(CudaLanesTest, SlotWithFirstPageTakesGlobalIdsAndRefusesOthers) {
     // Pages through global ids: copy a case page to the last page of the slot, read both back.
     const int32_t src = lc.global_bt[0][0];
     ASSERT_OK(backend->CopyPage(src, last));
-    const size_t page_bytes = static_cast<size_t>(2) * kBlockSize * config.head_dim * kernels::KeyStorageBytes(storage);
+    const size_t page_bytes = static_cast<size_t>(2 * kernels::PageBytes(storage, config.head_dim));
     std::vector<uint8_t> both(2 * page_bytes);
     const std::vector<int32_t> pair = {src, last};
     ASSERT_OK(backend->ReadPages(pair, both.data()));

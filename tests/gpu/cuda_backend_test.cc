@@ -135,11 +135,9 @@ TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, CudaBackendTest,
-                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3),
-                         [](const auto& info) {
-                           return info.param == kernels::KeyStorage::kBf16 ? std::string("bf16")
-                                                                            : std::string("fp8");
-                         });
+                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3,
+                                           kernels::KeyStorage::kFp4E2M1),
+                         [](const auto& info) { return std::string(kernels::KeyStorageName(info.param)); });
 
 }  // namespace
 }  // namespace indexer::engine

@@ -1,12 +1,13 @@
 // The CUDA selectors against the CPU reference (kernels/cpu_reference.h) on fresh random inputs
 // every run: odd shapes, ragged batches of 1 to 733 spans, lengths from 1 to 262144 with partial
-// pages, ties, NaN, forced blocks, n > 1, prefill chunks, bf16 and fp8, head_dim 64/128/256, and
-// each top-k path (whole-row sorts, warp thresholds, registers, the threshold pass and its fallback).
-// Outputs are poisoned before each launch. Skips (with a message) where no GPU is usable.
+// pages, ties, NaN, forced blocks, n > 1, prefill chunks, bf16, fp8 and fp4, head_dim 64/128/256,
+// and each top-k path (whole-row sorts, warp thresholds, registers, the threshold pass and its
+// fallback). Outputs are poisoned before each launch. Skips (with a message) where no GPU is usable.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -115,7 +116,7 @@ class GpuSelectTest : public GpuTest {
         ASSERT_EQ(why, "") << "span " << i << " of " << c.spans.size() << " (length " << s.length
                            << ", n " << s.num_tokens << ", H " << s.num_heads << ", topk " << s.params.topk
                            << ", init " << s.params.init_blocks << ", local " << s.params.local_blocks
-                           << ", head_dim " << d << (c.storage == KeyStorage::kBf16 ? ", bf16" : ", fp8")
+                           << ", head_dim " << d << ", " << kernels::KeyStorageName(c.storage)
                            << ", repeat " << rep << ")";
       }
     }
@@ -135,7 +136,7 @@ class GpuSelectTest : public GpuTest {
 
 TEST_F(GpuSelectTest, SmallBoundaryLengthsEveryFormat) {
   for (int d : {64, 128, 256}) {
-    for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+    for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
       for (Values v : {Values::kIntegers, Values::kReal}) {
         PoolCase c;
         c.head_dim = d;
@@ -157,7 +158,7 @@ TEST_F(GpuSelectTest, SmallBoundaryLengthsEveryFormat) {
 
 TEST_F(GpuSelectTest, RaggedDecodeBatches) {
   for (int batch : {1, 3, 7, 19, 733}) {
-    for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+    for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
       PoolCase c;
       c.storage = st;
       c.values = (batch % 2) ? Values::kIntegers : Values::kReal;
@@ -204,7 +205,7 @@ TEST_F(GpuSelectTest, LongContexts) {
 // of them padding at 513 and 1025 blocks): integer scores, whose ties can overflow the candidate
 // list into the CTA-wide sort, top-k of 5 to 32, forced blocks, both key formats.
 TEST_F(GpuSelectTest, OneLongRowWithTies) {
-  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
     PoolCase c;
     c.storage = st;
     c.values = Values::kIntegers;
@@ -224,7 +225,7 @@ TEST_F(GpuSelectTest, OneLongRowWithTies) {
 }
 
 TEST_F(GpuSelectTest, SpeculativeSpansAndManyHeads) {
-  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
     PoolCase c;
     c.storage = st;
     c.values = Values::kIntegers;
@@ -271,7 +272,7 @@ TEST_F(GpuSelectTest, InfAndNaNDotProducts) {
 
 TEST_F(GpuSelectTest, PrefillChunks) {
   for (int d : {64, 128, 256}) {
-    for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+    for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
       PoolCase c;
       c.head_dim = d;
       c.storage = st;
@@ -427,7 +428,7 @@ TEST_F(GpuSelectTest, PrefillPathOnDecodeShapes) {
 }
 
 TEST_F(GpuSelectTest, ExactPathOnOrdinaryInputs) {
-  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
     PoolCase c;
     c.storage = st;
     c.values = Values::kReal;  // the exact path matches the reference bit for bit: still exact
@@ -445,9 +446,93 @@ TEST_F(GpuSelectTest, MixedDecodeAndPrefillInOneBatch) {
   Run(c);
 }
 
+// fp4 keys on every path: exact ties on integer inputs (stored values are short binary fractions,
+// so sums stay exact), and real values next to prefill spans in one batch.
+TEST_F(GpuSelectTest, Fp4TiesAndMixedBatchesOnEveryPath) {
+  for (Path path : {Path::kAuto, Path::kPrefillOnly, Path::kExactOnly}) {
+    PoolCase ties;
+    ties.storage = KeyStorage::kFp4E2M1;
+    ties.values = Values::kIntegers;
+    for (int i = 0; i < 24; ++i) {
+      SpanCase s = RandomSpan(5000, 4, 16);
+      s.params.topk = 32;
+      ties.spans.push_back(s);
+    }
+    Run(ties, path, 1);
+    if (HasFatalFailure()) return;
+  }
+  for (int d : {64, 256}) {
+    PoolCase mixed;
+    mixed.storage = KeyStorage::kFp4E2M1;
+    mixed.head_dim = d;
+    mixed.values = Values::kReal;
+    for (int i = 0; i < 20; ++i) mixed.spans.push_back(RandomSpan(8000, 8, d == 256 ? 16 : 32));
+    for (int i = 0; i < 2; ++i) mixed.spans.push_back(RandomSpan(4000, 300, 600));
+    Run(mixed);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// The append kernel stores exactly the bytes kernels::StoreKey stores, for every storage: keys of
+// many magnitudes (saturated and subnormal fp4 scales), exact ties between fp4 codes, zero groups.
+TEST_F(GpuSelectTest, AppendKernelStoresWhatTheCpuStores) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int d : {64, 128, 256}) {
+    for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
+      SCOPED_TRACE(std::string(kernels::KeyStorageName(st)) + ", head_dim " + std::to_string(d));
+      constexpr int kPages = 5;
+      constexpr int64_t kTokens = 3 * kernels::kBlockSize + 77;
+      const std::vector<int32_t> table = {3, 0, 4, 1};
+      std::vector<uint16_t> keys(static_cast<size_t>(kTokens) * d);
+      for (int64_t t = 0; t < kTokens; ++t) {
+        const int kind = static_cast<int>(t % 4);
+        const float mag = std::ldexp(1.0f, static_cast<int>(rng_() % 40) - 24);
+        for (int i = 0; i < d; ++i) {
+          float v = normal(rng_) * mag;
+          // Ties between codes, a zero group, saturated scales.
+          if (kind == 1) v = static_cast<float>(static_cast<int>(rng_() % 13) - 6) * 0.25f;
+          if (kind == 2 && i < 16) v = 0.0f;
+          if (kind == 3 && i % 16 == 0) v = 1e6f;
+          keys[static_cast<size_t>(t) * d + i] = kernels::FloatToBf16(v);
+        }
+      }
+      std::vector<uint8_t> want(static_cast<size_t>(kPages * kernels::PageBytes(st, d)), 0);
+      for (int64_t t = 0; t < kTokens; ++t) {
+        kernels::StoreKey(want.data(), st, d, table[t / kernels::kBlockSize],
+                          static_cast<int>(t % kernels::kBlockSize), keys.data() + t * d);
+      }
+      engine::DeviceBuffer pool, d_keys, d_table, d_start;
+      ASSERT_TRUE(pool.Allocate(want.size()).ok());
+      ASSERT_TRUE(d_keys.Allocate(keys.size() * 2).ok());
+      ASSERT_TRUE(d_table.Allocate(table.size() * 4).ok());
+      ASSERT_TRUE(d_start.Allocate(8).ok());
+      const int64_t start = 0;
+      CUDA_OK(cudaMemset(pool.get(), 0, want.size()));
+      CUDA_OK(cudaMemcpy(d_keys.get(), keys.data(), keys.size() * 2, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(d_table.get(), table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(d_start.get(), &start, 8, cudaMemcpyHostToDevice));
+      kernels::cuda::AppendArgs a;
+      a.pool = pool.get();
+      a.layer_bytes = static_cast<int64_t>(want.size());
+      a.block_table = d_table.get<int32_t>();
+      a.layer_start = d_start.get<int64_t>();
+      a.num_tokens = kTokens;
+      a.keys = d_keys.get<uint16_t>();
+      CUDA_OK(kernels::cuda::LaunchAppendKeys(a, st, d, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      std::vector<uint8_t> got(want.size());
+      CUDA_OK(cudaMemcpy(got.data(), pool.get(), got.size(), cudaMemcpyDeviceToHost));
+      const auto diff = std::mismatch(got.begin(), got.end(), want.begin());
+      ASSERT_TRUE(diff.first == got.end())
+          << "byte " << (diff.first - got.begin()) << ": got " << int{*diff.first} << ", want "
+          << int{*diff.second};
+    }
+  }
+}
+
 // A short, fixed set run under compute-sanitizer (memcheck and racecheck) by scripts/gpu_check.sh.
 TEST_F(GpuSelectTest, SanitizerSmall) {
-  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
     PoolCase c;
     c.storage = st;
     c.values = Values::kIntegers;

@@ -43,8 +43,7 @@ void BuildCase(PoolCase& c, std::mt19937_64& rng) {
   std::vector<int32_t> perm(c.num_pages);
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng);
-  const int elem = kernels::KeyStorageBytes(c.storage);
-  c.pool.assign(static_cast<size_t>(c.num_pages) * kBlockSize * d * elem, 0);
+  c.pool.assign(static_cast<size_t>(c.num_pages * kernels::PageBytes(c.storage, d)), 0);
   // Unused slots get garbage, including NaN patterns, as a real cache past a sequence's end may.
   for (size_t i = 0; i < c.pool.size(); ++i) c.pool[i] = static_cast<uint8_t>(rng());
   int64_t next = 0;
@@ -54,19 +53,17 @@ void BuildCase(PoolCase& c, std::mt19937_64& rng) {
     s.block_table.assign(perm.begin() + next, perm.begin() + next + nb);
     next += nb;
     std::uniform_real_distribution<double> unit(0.0, 1.0);
+    std::vector<uint16_t> key(static_cast<size_t>(d));
     for (int64_t t = 0; t < s.length; ++t) {
-      const int64_t slot = int64_t{s.block_table[t / kBlockSize]} * kBlockSize + t % kBlockSize;
       const bool huge = unit(rng) < c.huge_token_fraction;
       for (int i = 0; i < d; ++i) {
         uint16_t v = RandomValue(c.values, rng);
         if (huge && i < 2) v = kernels::FloatToBf16((rng() & 1) ? 3e38f : -3e38f);
         c.max_abs_key = std::max(c.max_abs_key, std::fabs(kernels::Bf16ToFloat(v)));
-        if (c.storage == kernels::KeyStorage::kBf16) {
-          std::memcpy(&c.pool[(slot * d + i) * 2], &v, 2);
-        } else {
-          c.pool[slot * d + i] = kernels::FloatToFp8E4M3(kernels::Bf16ToFloat(v));
-        }
+        key[i] = v;
       }
+      kernels::StoreKey(c.pool.data(), c.storage, d, s.block_table[t / kBlockSize],
+                        static_cast<int>(t % kBlockSize), key.data());
     }
     const int rows = s.num_tokens * s.num_heads;
     s.queries.resize(static_cast<size_t>(rows) * d);

@@ -41,7 +41,7 @@ struct PoolCase {
   kernels::PageTableParams pt;
   std::vector<SpanCase> spans;
   int64_t num_pages = 0;
-  std::vector<uint8_t> pool;  // [num_pages][128][head_dim] in storage format
+  std::vector<uint8_t> pool;  // num_pages pages as kernels::StoreKey writes them
   float max_abs_key = 0.0f;   // over the keys written (not the garbage past sequence ends)
 };
 

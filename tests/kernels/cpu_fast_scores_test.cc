@@ -38,7 +38,7 @@ TEST(CpuFastScoresTest, EveryRawScoreEqualsTheReferenceBitForBit) {
   std::normal_distribution<float> normal;
   for (int trial = 0; trial < 120; ++trial) {
     const int d = std::vector<int>{64, 128, 256}[uniform(0, 2)];
-    const KeyStorage storage = uniform(0, 1) ? KeyStorage::kBf16 : KeyStorage::kFp8E4M3;
+    const KeyStorage storage = static_cast<KeyStorage>(uniform(0, 2));
     const int64_t len = uniform(1, 1500);
     const int n = static_cast<int>(uniform(1, std::min<int64_t>(len, 6)));
     const int heads = static_cast<int>(uniform(1, 4));
@@ -69,7 +69,7 @@ TEST(CpuFastScoresTest, EveryRawScoreEqualsTheReferenceBitForBit) {
     ScoreBlocksFast(pool.view(), span, begin, end, got.data(), v);
     ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
         << "seed " << seed << ", trial " << trial << ": head_dim " << d << ", "
-        << (storage == KeyStorage::kBf16 ? "bf16" : "fp8") << ", len " << len << ", n " << n
+        << KeyStorageName(storage) << ", len " << len << ", n " << n
         << ", H " << heads << ", blocks [" << begin << ", " << end << ")";
   }
 }

@@ -40,6 +40,19 @@ float NaiveFp8ToFloat(uint8_t byte) {
   return static_cast<float>(sign * mag);
 }
 
+// Value d of the fp4 key in page `page`, slot `slot` (the layout of kernels/numeric.h: a page's
+// codes, two per byte with the even value in the low nibble, then its scales).
+float NaiveFp4Value(const uint8_t* pool, int head_dim, int64_t page, int64_t slot, int d) {
+  static const double kMagnitudes[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  const int64_t page_bytes = kBlock * (head_dim / 2 + head_dim / 16);
+  const uint8_t byte = pool[page * page_bytes + slot * (head_dim / 2) + d / 2];
+  const int code = d % 2 == 0 ? byte & 0xf : byte >> 4;
+  const int64_t scales = page * page_bytes + kBlock * (head_dim / 2);
+  const uint8_t scale = pool[scales + slot * (head_dim / 16) + d / 16];
+  const double v = kMagnitudes[code & 7] * NaiveFp8ToFloat(scale);
+  return static_cast<float>((code & 8) ? -v : v);
+}
+
 void NaivePageTableRow(const std::vector<int32_t>& selected, int64_t pos, const int32_t* attn_pages,
                        int pages_per_block, int block_page_stride, std::vector<int32_t>* row,
                        int32_t* context_len) {
@@ -81,6 +94,8 @@ std::vector<NaiveRow> NaiveSelect(const NaiveSpan& s) {
         uint16_t bits;
         std::memcpy(&bits, static_cast<const uint8_t*>(s.pool) + (base + d) * 2, 2);
         v = NaiveBf16ToFloat(bits);
+      } else if (s.storage == kernels::KeyStorage::kFp4E2M1) {
+        v = NaiveFp4Value(static_cast<const uint8_t*>(s.pool), d_count, page, t % kBlock, d);
       } else {
         v = NaiveFp8ToFloat(static_cast<const uint8_t*>(s.pool)[base + d]);
       }

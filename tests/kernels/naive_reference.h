@@ -19,7 +19,7 @@ namespace indexer::testing {
 
 // One span of query tokens against one sequence's paged keys (SPEC.md "Select: a span").
 struct NaiveSpan {
-  const void* pool = nullptr;  // [pages][128][head_dim] of bf16 bits or fp8 e4m3 bytes
+  const void* pool = nullptr;  // pages as kernels::StoreKey writes them (bf16, fp8 or fp4)
   kernels::KeyStorage storage = kernels::KeyStorage::kBf16;
   int head_dim = 128;
   const int32_t* block_table = nullptr;

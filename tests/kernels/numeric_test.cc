@@ -6,12 +6,14 @@
 // written here, independent of numeric.h.
 #include "kernels/numeric.h"
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -346,14 +348,247 @@ TEST(SelectionKey, RandomPairsAgreeWithTheExplicitOrder) {
   }
 }
 
-TEST(StoredKey, DecodesBothStorages) {
-  const uint16_t bf[2] = {FloatToBf16(1.5f), FloatToBf16(-3.0f)};
-  const uint8_t f8[2] = {FloatToFp8E4M3(1.5f), FloatToFp8E4M3(-3.0f)};
-  EXPECT_EQ(StoredKeyToFloat(bf, 1, KeyStorage::kBf16), -3.0f);
-  EXPECT_EQ(StoredKeyToFloat(f8, 0, KeyStorage::kFp8E4M3), 1.5f);
-  EXPECT_EQ(StoredKeyToFloat(f8, 1, KeyStorage::kFp8E4M3), -3.0f);
-  EXPECT_EQ(KeyStorageBytes(KeyStorage::kBf16), 2);
-  EXPECT_EQ(KeyStorageBytes(KeyStorage::kFp8E4M3), 1);
+// Value of an e2m1 code, from the format's definition (1 sign, 2 exponent bits with bias 1,
+// 1 mantissa bit; exponent 0 is subnormal, value mantissa * 0.5).
+double Fp4Value(uint8_t code) {
+  const int e = (code >> 1) & 3;
+  const int m = code & 1;
+  const double mag = e == 0 ? m * 0.5 : std::ldexp(1.0 + m / 2.0, e - 1);
+  return (code & 8) ? -mag : mag;
+}
+
+// Brute force: the e2m1 code nearest to x, ties to the even code (codes of one sign are ordered
+// by value, so the even mantissa bit is the even code), saturating at +-6 by construction.
+uint8_t NearestFp4(float x) {
+  const double a = std::fabs(static_cast<double>(x));
+  uint8_t best = 0;
+  double best_err = std::numeric_limits<double>::infinity();
+  for (int c = 0; c < 8; ++c) {
+    const double err = std::fabs(Fp4Value(static_cast<uint8_t>(c)) - a);
+    if (err < best_err || (err == best_err && (c & 1) == 0)) {
+      best = static_cast<uint8_t>(c);
+      best_err = err;
+    }
+  }
+  return static_cast<uint8_t>(best | (std::signbit(x) ? 8 : 0));
+}
+
+TEST(Fp4E2M1, DecodesEveryCode) {
+  const float want[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+  for (int c = 0; c < 16; ++c) {
+    EXPECT_EQ(ToBits(Fp4E2M1ToFloat(static_cast<uint8_t>(c))), ToBits(want[c])) << c;
+    EXPECT_EQ(Fp4E2M1ToFloat(static_cast<uint8_t>(c)), static_cast<float>(Fp4Value(c))) << c;
+    // Exact values round to themselves.
+    EXPECT_EQ(FloatToFp4E2M1(want[c]), c) << c;
+  }
+}
+
+TEST(Fp4E2M1, TiesGoToTheEvenMantissa) {
+  // SPEC.md's list: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+  EXPECT_EQ(FloatToFp4E2M1(0.25f), 0x0);
+  EXPECT_EQ(FloatToFp4E2M1(0.75f), 0x2);
+  EXPECT_EQ(FloatToFp4E2M1(1.25f), 0x2);
+  EXPECT_EQ(FloatToFp4E2M1(1.75f), 0x4);
+  EXPECT_EQ(FloatToFp4E2M1(2.5f), 0x4);
+  EXPECT_EQ(FloatToFp4E2M1(3.5f), 0x6);
+  EXPECT_EQ(FloatToFp4E2M1(5.0f), 0x6);
+  EXPECT_EQ(FloatToFp4E2M1(-5.0f), 0xe);
+  EXPECT_EQ(FloatToFp4E2M1(-0.25f), 0x8);  // the sign stays on a zero code
+  // Just past each midpoint goes up.
+  EXPECT_EQ(FloatToFp4E2M1(std::nextafter(0.25f, 1.0f)), 0x1);
+  EXPECT_EQ(FloatToFp4E2M1(std::nextafter(0.75f, 0.0f)), 0x1);
+  EXPECT_EQ(FloatToFp4E2M1(std::nextafter(1.25f, 2.0f)), 0x3);
+  EXPECT_EQ(FloatToFp4E2M1(std::nextafter(5.0f, 6.0f)), 0x7);
+}
+
+TEST(Fp4E2M1, SaturatesAtSix) {
+  EXPECT_EQ(FloatToFp4E2M1(6.0f), 0x7);
+  EXPECT_EQ(FloatToFp4E2M1(6.5f), 0x7);
+  EXPECT_EQ(FloatToFp4E2M1(1e30f), 0x7);
+  EXPECT_EQ(FloatToFp4E2M1(-3e38f), 0xf);
+}
+
+TEST(Fp4E2M1, MatchesNearestValueOnEveryQuarterAndAtRandom) {
+  for (int i = -64; i <= 64; ++i) {
+    const float x = static_cast<float>(i) * 0.125f;
+    EXPECT_EQ(FloatToFp4E2M1(x), NearestFp4(x)) << x;
+  }
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> u(-8.0f, 8.0f);
+  for (int i = 0; i < 200000; ++i) {
+    const float x = u(rng);
+    ASSERT_EQ(FloatToFp4E2M1(x), NearestFp4(x)) << x;
+  }
+}
+
+// The scale of a group: e4m3(amax / 6), with the quotient rounded in fp32.
+TEST(Fp4Group, ScaleRoundsTheQuotientToE4M3) {
+  EXPECT_EQ(Fp4GroupScale(6.0f), FloatToFp8E4M3(1.0f));
+  EXPECT_EQ(Fp8E4M3ToFloat(Fp4GroupScale(7.0f)), 1.125f);  // 1.1667 -> 1.125
+  EXPECT_EQ(Fp4GroupScale(0.0f), 0x00);
+  // Saturation: amax / 6 past 448.
+  EXPECT_EQ(Fp4GroupScale(6.0f * 448.0f), 0x7e);
+  EXPECT_EQ(Fp4GroupScale(3e38f), 0x7e);
+  // Subnormal scales: amax / 6 = 2^-9 is the smallest subnormal; half of it ties to 0.
+  EXPECT_EQ(Fp4GroupScale(6.0f * 0x1p-9f), 0x01);
+  EXPECT_EQ(Fp4GroupScale(6.0f * 0x1p-10f), 0x00);
+  EXPECT_EQ(Fp4GroupScale(std::nextafter(6.0f * 0x1p-10f, 1.0f)), 0x01);
+  EXPECT_EQ(Fp4GroupScale(6.0f * 3 * 0x1p-10f), 0x02);  // 1.5 * 2^-9 -> 2 * 2^-9 (even)
+  for (int i = 0; i < 4096; ++i) {
+    const float amax = Bf16ToFloat(static_cast<uint16_t>(i * 8));  // positive bf16 values
+    if (!std::isfinite(amax)) break;
+    EXPECT_EQ(Fp4GroupScale(amax), NearestFp8(amax / 6.0f)) << amax;
+  }
+}
+
+std::vector<uint16_t> Group(std::initializer_list<float> values) {
+  std::vector<uint16_t> g(kFp4GroupSize, FloatToBf16(0.0f));
+  int i = 0;
+  for (float v : values) g[i++] = FloatToBf16(v);
+  return g;
+}
+
+float Decoded(const uint8_t* codes, uint8_t scale, int i) {
+  return Fp4E2M1ToFloat(static_cast<uint8_t>((codes[i / 2] >> (4 * (i % 2))) & 0xf)) *
+         Fp8E4M3ToFloat(scale);
+}
+
+TEST(Fp4Group, QuantisesAgainstTheGroupsScale) {
+  // amax 6: scale 1, codes are the values rounded to e2m1; nibble order low = even index.
+  const std::vector<uint16_t> g = Group({6, -1.25f, 0.75f, 5, -6, 2.5f, 0.1f, -0.3f});
+  uint8_t codes[8];
+  const uint8_t scale = QuantizeFp4Group(g.data(), codes);
+  EXPECT_EQ(Fp8E4M3ToFloat(scale), 1.0f);
+  EXPECT_EQ(codes[0], 0x7 | (0xa << 4));  // 6, -1
+  EXPECT_EQ(codes[1], 0x2 | (0x6 << 4));  // 1, 4
+  EXPECT_EQ(codes[2], 0xf | (0x4 << 4));  // -6, 2
+  EXPECT_EQ(codes[3], 0x0 | (0x9 << 4));  // 0, -0.5
+  for (int i = 8; i < 16; ++i) EXPECT_EQ(Decoded(codes, scale, i), 0.0f);
+}
+
+TEST(Fp4Group, RoundedScaleCanSaturateCodes) {
+  // amax 7: scale 1.125 (7/6 rounded down), 7 / 1.125 = 6.22 saturates at 6: stored 6.75.
+  const std::vector<uint16_t> g = Group({7, -7, 1});
+  uint8_t codes[8];
+  const uint8_t scale = QuantizeFp4Group(g.data(), codes);
+  EXPECT_EQ(Decoded(codes, scale, 0), 6.75f);
+  EXPECT_EQ(Decoded(codes, scale, 1), -6.75f);
+  EXPECT_EQ(Decoded(codes, scale, 2), 1.125f);  // 1 / 1.125 = 0.89 -> 1
+}
+
+TEST(Fp4Group, ZeroAndUnderflowingGroupsStoreZeroCodes) {
+  uint8_t codes[8];
+  std::vector<uint16_t> zeros = Group({0.0f, -0.0f});
+  EXPECT_EQ(QuantizeFp4Group(zeros.data(), codes), 0x00);
+  for (uint8_t c : codes) EXPECT_EQ(c, 0x00);
+  // amax 2^-12: amax / 6 rounds to scale 0, so every code is 0 (not -0).
+  std::vector<uint16_t> tiny = Group({0x1p-12f, -0x1p-12f});
+  EXPECT_EQ(QuantizeFp4Group(tiny.data(), codes), 0x00);
+  for (uint8_t c : codes) EXPECT_EQ(c, 0x00);
+  // amax 6 * 2^-9: the smallest subnormal scale; values are whole codes of it.
+  std::vector<uint16_t> sub = Group({6 * 0x1p-9f, -3 * 0x1p-9f, 0x1p-10f});
+  const uint8_t scale = QuantizeFp4Group(sub.data(), codes);
+  EXPECT_EQ(scale, 0x01);
+  EXPECT_EQ(Decoded(codes, scale, 0), 6 * 0x1p-9f);
+  EXPECT_EQ(Decoded(codes, scale, 1), -3 * 0x1p-9f);
+  EXPECT_EQ(Decoded(codes, scale, 2), 0x1p-10f);  // 0.5 * 2^-9, the smallest stored magnitude
+}
+
+TEST(Fp4Group, LargeValuesUseTheSaturatedScale) {
+  const std::vector<uint16_t> g = Group({1e6f, 3000.0f, -2688.0f});
+  uint8_t codes[8];
+  const uint8_t scale = QuantizeFp4Group(g.data(), codes);
+  EXPECT_EQ(Fp8E4M3ToFloat(scale), 448.0f);
+  EXPECT_EQ(Decoded(codes, scale, 0), 2688.0f);
+  EXPECT_EQ(Decoded(codes, scale, 1), 2688.0f);
+  EXPECT_EQ(Decoded(codes, scale, 2), -2688.0f);
+}
+
+// Every stored value is exactly a code times its scale, and its code is the brute-force nearest
+// to the value over the scale, on random groups of many magnitudes.
+TEST(Fp4Group, RandomGroupsMatchTheDefinition) {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-20, 20);
+  for (int i = 0; i < 20000; ++i) {
+    std::vector<uint16_t> g(kFp4GroupSize);
+    const float mag = std::ldexp(1.0f, exponent(rng));
+    for (uint16_t& v : g) v = FloatToBf16(normal(rng) * mag);
+    uint8_t codes[8];
+    const uint8_t scale = QuantizeFp4Group(g.data(), codes);
+    float amax = 0.0f;
+    for (uint16_t v : g) amax = std::max(amax, std::fabs(Bf16ToFloat(v)));
+    ASSERT_EQ(scale, NearestFp8(amax / 6.0f));
+    const float sf = Fp8E4M3ToFloat(scale);
+    for (int k = 0; k < kFp4GroupSize; ++k) {
+      const uint8_t code = static_cast<uint8_t>((codes[k / 2] >> (4 * (k % 2))) & 0xf);
+      const uint8_t want = sf == 0.0f ? 0 : NearestFp4(Bf16ToFloat(g[k]) / sf);
+      ASSERT_EQ(code, want) << Bf16ToFloat(g[k]) << " / " << sf;
+    }
+  }
+}
+
+// The GPU decoder's rewrite of e2m1 codes as e4m3 bytes: every code, in every nibble of a word,
+// becomes an e4m3 byte of exactly code * 2^-6, and code * 2^-6 times scale * 2^6 is code * scale
+// for every scale (the products the decode selector forms in f16; all of them exact there too:
+// at most 6 significant bits, magnitudes in [2^-10, 2688]).
+TEST(Fp4E2M1, CodesRewrittenAsE4M3BytesKeepTheirValues) {
+  for (int pos = 0; pos < 8; ++pos) {
+    for (uint32_t code = 0; code < 16; ++code) {
+      // Nibble k holds k, but nibble pos holds `code`.
+      const uint32_t w = (0x76543210u & ~(0xfu << (4 * pos))) | (code << (4 * pos));
+      uint32_t even, odd;
+      Fp4CodesToE4M3(w, &even, &odd);
+      for (int k = 0; k < 8; ++k) {
+        const uint32_t bytes = k % 2 == 0 ? even : odd;
+        const uint8_t byte = static_cast<uint8_t>((bytes >> (8 * (k / 2))) & 0xffu);
+        const uint8_t c = static_cast<uint8_t>((w >> (4 * k)) & 0xfu);
+        ASSERT_EQ(ToBits(Fp8E4M3ToFloat(byte)), ToBits(Fp4E2M1ToFloat(c) * 0x1p-6f))
+            << pos << " " << k;
+      }
+    }
+  }
+  for (int s = 0; s < 0x7f; ++s) {
+    const float scale = Fp8E4M3ToFloat(static_cast<uint8_t>(s));
+    for (int c = 0; c < 16; ++c) {
+      const double exact = Fp4Value(static_cast<uint8_t>(c)) * scale;
+      const float code = Fp4E2M1ToFloat(static_cast<uint8_t>(c));
+      EXPECT_EQ(static_cast<double>(code * 0x1p-6f * (scale * 64.0f)), exact);
+      // Representable in f16: 11 significant bits, normal from 2^-14 (or zero).
+      if (exact != 0.0) {
+        const double a = std::fabs(exact);
+        EXPECT_GE(a, 0x1p-14);
+        EXPECT_LE(a, 65504.0);
+        const double ulp = std::ldexp(1.0, std::ilogb(a) - 10);
+        EXPECT_EQ(std::fmod(a, ulp), 0.0) << exact;
+      }
+    }
+  }
+}
+
+TEST(StoredKey, DecodesEveryStorage) {
+  constexpr int kD = 32;
+  std::vector<uint16_t> key(kD);
+  for (int d = 0; d < kD; ++d) key[d] = FloatToBf16(static_cast<float>(d % 7) - 3.0f);
+  for (KeyStorage s : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
+    std::vector<uint8_t> pool(static_cast<size_t>(2 * PageBytes(s, kD)), 0xff);
+    StoreKey(pool.data(), s, kD, 1, 5, key.data());
+    float row[kD];
+    LoadKey(pool.data(), s, kD, 1, 5, row);
+    for (int d = 0; d < kD; ++d) {
+      // |values| <= 3 in groups whose amax is 3: scale 0.5, all values exact in every storage.
+      EXPECT_EQ(row[d], Bf16ToFloat(key[d])) << static_cast<int>(s) << " " << d;
+      EXPECT_EQ(StoredKeyValue(pool.data(), s, kD, 1, 5, d), row[d]);
+    }
+    ClearKey(pool.data(), s, kD, 1, 5);
+    LoadKey(pool.data(), s, kD, 1, 5, row);
+    for (int d = 0; d < kD; ++d) EXPECT_EQ(row[d], 0.0f);
+  }
+  EXPECT_EQ(KeyBytes(KeyStorage::kBf16, 128), 256);
+  EXPECT_EQ(KeyBytes(KeyStorage::kFp8E4M3, 128), 128);
+  EXPECT_EQ(KeyBytes(KeyStorage::kFp4E2M1, 128), 72);
+  EXPECT_EQ(PageBytes(KeyStorage::kFp4E2M1, 64), 128 * 36);
+  EXPECT_EQ(Fp4ScalesOffset(0, 0, 128), 128 * 64);
 }
 
 }  // namespace

@@ -59,7 +59,7 @@ struct Trial {
 
   std::string Describe() const {
     std::ostringstream s;
-    s << "head_dim " << head_dim << ", " << (storage == KeyStorage::kBf16 ? "bf16" : "fp8")
+    s << "head_dim " << head_dim << ", " << KeyStorageName(storage)
       << ", " << (integer ? "integer values in +-" + std::to_string(int_range) : "real values")
       << ", len " << len << ", p0 " << start_pos << ", n " << num_tokens << ", H " << num_heads
       << ", topk " << params.topk << ", init " << params.init_blocks << ", local "
@@ -75,7 +75,7 @@ Trial RandomTrial(std::mt19937_64& rng) {
   };
   Trial t;
   t.head_dim = std::vector<int>{64, 128, 256}[uniform(0, 2)];
-  t.storage = uniform(0, 1) ? KeyStorage::kBf16 : KeyStorage::kFp8E4M3;
+  t.storage = static_cast<KeyStorage>(uniform(0, 2));
   t.integer = uniform(0, 1) == 1;
   t.int_range = std::vector<int>{1, 2, 8}[uniform(0, 2)];
   t.scale = std::ldexp(1.0f, static_cast<int>(uniform(-4, 4)));
@@ -231,7 +231,7 @@ TEST(IsValidTopK, RejectsWrongSelections) {
 TEST(ReferenceVsNaive, OddShapes) {
   std::mt19937_64 rng(20240611);
   for (int head_dim : {64, 128, 256}) {
-    for (KeyStorage storage : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+    for (KeyStorage storage : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
       for (int64_t len : {1, 3, 7, 19, 127, 128, 129, 255, 256, 257, 733}) {
         for (int n : {1, 3}) {
           if (n > len) continue;

@@ -117,7 +117,12 @@ TEST_P(WorkedExampleEndToEnd, SelectSpanFromKeys) {
   const Sequence seq(keys, len, GetParam(), {6, 2, 8, 0, 4});
   const auto q = MakeQueries(1, {{1.0f}});
 
-  EXPECT_EQ(RawScores(seq, 600, q), (std::vector<float>{0.5f, 2.0f, -3.0f, 2.0f, 7.0f}));
+  // fp4 stores a lone value x of a group as sign(x) * 6 * e4m3(|x| / 6): 0.5 -> 6 * 0.0859375,
+  // 2 -> 6 * 0.34375, -3 exactly, 7 -> 6 * 1.125 (monotone, so the order stays).
+  EXPECT_EQ(RawScores(seq, 600, q),
+            GetParam() == KeyStorage::kFp4E2M1
+                ? (std::vector<float>{0.515625f, 2.0625f, -3.0f, 2.0625f, 6.75f})
+                : (std::vector<float>{0.5f, 2.0f, -3.0f, 2.0f, 7.0f}));
 
   const Ids attn = {10, 11, 12, 13, 14};
   const SpanResult r = RunSelectSpan(seq.pool.view(), seq.table, attn, 600, 1, 1, q,
@@ -128,11 +133,9 @@ TEST_P(WorkedExampleEndToEnd, SelectSpanFromKeys) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, WorkedExampleEndToEnd,
-                         ::testing::Values(KeyStorage::kBf16, KeyStorage::kFp8E4M3),
-                         [](const auto& info) {
-                           return info.param == KeyStorage::kBf16 ? std::string("bf16")
-                                                                  : std::string("fp8");
-                         });
+                         ::testing::Values(KeyStorage::kBf16, KeyStorage::kFp8E4M3,
+                                           KeyStorage::kFp4E2M1),
+                         [](const auto& info) { return std::string(KeyStorageName(info.param)); });
 
 // ---------------------------------------------------------------------------------------------
 // Visibility at block boundaries, and spans where each token is causal on its own
@@ -440,11 +443,13 @@ TEST(ExactTies, IntegerVectorsTieAndTheLowerIdWins) {
 // ---------------------------------------------------------------------------------------------
 // A prefill chunk with several heads
 
-// Three heads, each looking at one key dimension (q_h = e_h); b = t / 128, r = t % 128:
+// Three heads, each looking at one key dimension (q_h = e_{16 h}, one dimension per fp4 group,
+// so that fp4 stores each value alone in its group: monotone in the value, and distinct for the
+// distinct values below); b = t / 128, r = t % 128:
 //   head 0: k[t][0] = b + 1 at r = 64, else 0. Full blocks score b + 1; the tail block S scores
 //           S + 1 once p % 128 >= 64, else 0.
-//   head 1: k[t][1] = 1: every block ties at 1.
-//   head 2: k[t][2] = b - r: maximum at r = 0, so every visible block scores b.
+//   head 1: k[t][16] = 1: every block ties at 1.
+//   head 2: k[t][32] = b - r: maximum at r = 0, so every visible block scores b.
 // topk 3, no forced blocks. Hand-computed, with S = p / 128 and ids < 0 meaning padding:
 //   head 0: p % 128 >= 64: [S, S-1, S-2]; else S=0: [0], S=1: [0, 1], S=2: [1, 0, 2],
 //           S=3: [2, 1, 0].
@@ -477,12 +482,17 @@ TEST_P(PrefillChunk, ThreeHundredTokensAcrossBlocksWithThreeHeads) {
   const int64_t len = 512;
   const auto keys = MakeKeys(len, [](int64_t t) {
     const float b = static_cast<float>(t / 128), r = static_cast<float>(t % 128);
-    return std::vector<float>{t % 128 == 64 ? b + 1 : 0.0f, 1.0f, b - r};
+    std::vector<float> k(33, 0.0f);
+    k[0] = t % 128 == 64 ? b + 1 : 0.0f;
+    k[16] = 1.0f;
+    k[32] = b - r;
+    return k;
   });
   const Sequence seq(keys, len, GetParam(), {2, 0, 3, 1});
   const int64_t p0 = 100;
   const int n = 300;  // positions 100 .. 399: blocks 0 .. 3
-  const std::vector<std::vector<float>> heads = {{1.0f}, {0.0f, 1.0f}, {0.0f, 0.0f, 1.0f}};
+  std::vector<std::vector<float>> heads(3, std::vector<float>(33, 0.0f));
+  for (int h = 0; h < 3; ++h) heads[h][16 * h] = 1.0f;
   const auto q = MakeQueries(n, heads);
   const SelectParams params{3, 0, 0};
   const SpanResult r = RunSelectSpan(seq.pool.view(), seq.table, {}, p0, n, 3, q, params);
@@ -500,11 +510,9 @@ TEST_P(PrefillChunk, ThreeHundredTokensAcrossBlocksWithThreeHeads) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, PrefillChunk,
-                         ::testing::Values(KeyStorage::kBf16, KeyStorage::kFp8E4M3),
-                         [](const auto& info) {
-                           return info.param == KeyStorage::kBf16 ? std::string("bf16")
-                                                                  : std::string("fp8");
-                         });
+                         ::testing::Values(KeyStorage::kBf16, KeyStorage::kFp8E4M3,
+                                           KeyStorage::kFp4E2M1),
+                         [](const auto& info) { return std::string(KeyStorageName(info.param)); });
 
 // ---------------------------------------------------------------------------------------------
 // Page tables with other shapes

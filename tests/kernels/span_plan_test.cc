@@ -28,6 +28,29 @@ TEST(DecodeChunkBlocksTest, HalfAMegabyteOfKeysPerCta) {
   EXPECT_EQ(32, DecodeChunkBlocks(64, KeyStorage::kBf16));
   EXPECT_EQ(8, DecodeChunkBlocks(256, KeyStorage::kBf16));
   EXPECT_EQ(64, DecodeChunkBlocks(64, KeyStorage::kFp8E4M3));
+  EXPECT_EQ(56, DecodeChunkBlocks(128, KeyStorage::kFp4E2M1));  // 56 x 9 KB pages
+  EXPECT_EQ(28, DecodeChunkBlocks(256, KeyStorage::kFp4E2M1));
+}
+
+// fp4 takes the decode selector's f16 products like fp8: queries outside f16 go exact; its
+// overflow bound counts stored values up to 1/16 above the largest key written, at most 2688.
+TEST(ChoosePathTest, Fp4KeysAndTheirBounds) {
+  using kernels::cuda::Bf16Range;
+  using kernels::cuda::ChoosePath;
+  using kernels::cuda::SpanPath;
+  const Bf16Range small{2.0f, true}, wide{2.0f, false};
+  EXPECT_EQ(ChoosePath(4, 128, KeyStorage::kFp4E2M1, small, 3.0f), SpanPath::kDecode);
+  EXPECT_EQ(ChoosePath(4, 128, KeyStorage::kFp4E2M1, wide, 3.0f), SpanPath::kExact);
+  EXPECT_EQ(ChoosePath(4, 128, KeyStorage::kBf16, wide, 3.0f), SpanPath::kDecode);
+  EXPECT_EQ(ChoosePath(100, 128, KeyStorage::kFp4E2M1, wide, 3.0f), SpanPath::kPrefill);
+  // 128 * 2^119 * k: bf16 keys of 2^0 stay below 2^126; fp4 bounds them by 1.0625 + 0.01.
+  const Bf16Range huge{0x1p119f, true};
+  EXPECT_EQ(ChoosePath(4, 128, KeyStorage::kBf16, huge, 0.999f), SpanPath::kDecode);
+  EXPECT_EQ(ChoosePath(4, 128, KeyStorage::kFp4E2M1, huge, 0.999f), SpanPath::kExact);
+  // Keys of 1e30 store at most 2688 in fp4.
+  const Bf16Range big{0x1p100f, true};
+  EXPECT_EQ(ChoosePath(4, 128, KeyStorage::kFp4E2M1, big, 1e30f), SpanPath::kDecode);
+  EXPECT_EQ(ChoosePath(4, 128, KeyStorage::kBf16, big, 1e30f), SpanPath::kExact);
 }
 
 // Checks the plan's invariants for `spans` (already planned).

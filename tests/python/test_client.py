@@ -229,6 +229,27 @@ class IndexerClientTest(unittest.TestCase):
         self.assertEqual(c.select_blocks(sid, ints(2, 4, HEAD_DIM)).block_ids.shape, (2, 4, 16))
         self.assertEqual(c.select_blocks(sid, ints(4, HEAD_DIM)).block_ids.shape, (1, 4, 16))
 
+    def test_fp8_and_fp4_servers_match_the_reference_on_their_storage(self):
+        # Small integer keys are not exact in fp4, but every stored value is a short binary
+        # fraction: dot products with integer queries stay exact, so answers must be identical.
+        for storage, flag in (("fp8_e4m3", "fp8"), ("fp4_e2m1", "fp4")):
+            local = Server(flags=["--device=cpu", f"--head_dim={HEAD_DIM}", "--capacity=8",
+                                  "--cpu_threads=1", f"--key_dtype={flag}"])
+            try:
+                with IndexerClient(local.target, timeout=10) as client:
+                    client.wait_until_serving()
+                    self.assertEqual(client.server_info().key_storage, storage)
+                    keys = ints(700, HEAD_DIM) * rng.choice([1, 0.25, 3], (700, HEAD_DIM))
+                    client.append_keys("s", keys)
+                    for p0, n, topk in ((699, 1, 4), (300, 9, 8), (0, 1, 1)):
+                        q = ints(n, 2, HEAD_DIM)
+                        got = client.select_blocks("s", q, start_position=p0, topk=topk,
+                                                   init_blocks=0, local_blocks=1)
+                        want = reference_select(keys, q, p0, topk, 0, 1, key_storage=storage)
+                        self.assertSame(got, want, f"{storage} span {p0}+{n}")
+            finally:
+                self.assertEqual(local.stop(), 0)
+
     def test_unix_socket_targets(self):
         folder = tempfile.mkdtemp(prefix="ixpy-", dir="/tmp")
         path = os.path.join(folder, "indexer.sock")

@@ -128,7 +128,8 @@ TEST_P(GpuSnapshotTest, SnapshotsMatchAndRestoreAcrossBackends) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, GpuSnapshotTest,
-                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3),
+                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3,
+                                           kernels::KeyStorage::kFp4E2M1),
                          [](const auto& info) { return std::string(KeyStorageName(info.param)); });
 
 }  // namespace

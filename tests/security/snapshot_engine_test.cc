@@ -169,7 +169,8 @@ TEST_P(SnapshotRoundTrip, RestoredEngineAnswersIdenticallyAndKeepsSharing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, SnapshotRoundTrip,
-                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3),
+                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3,
+                                           kernels::KeyStorage::kFp4E2M1),
                          [](const auto& info) {
                            return std::string(engine::KeyStorageName(info.param));
                          });
@@ -222,6 +223,11 @@ TEST_F(SnapshotRefusal, MismatchedSettingsAreRefusedNamingThem) {
   s = Restore(good_, other);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("key_dtype bf16 (this server: fp8)"));
+
+  other = SmallConfig(kernels::KeyStorage::kFp4E2M1);
+  s = Restore(good_, other);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("key_dtype bf16 (this server: fp4)"));
 
   other = SmallConfig();
   other.layers = 3;

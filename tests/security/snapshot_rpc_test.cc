@@ -83,7 +83,8 @@ TEST_P(SnapshotRpcTest, RestoredServerAnswersEverySelectionIdentically) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, SnapshotRpcTest,
-                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3),
+                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3,
+                                           kernels::KeyStorage::kFp4E2M1),
                          [](const auto& info) {
                            return std::string(engine::KeyStorageName(info.param));
                          });

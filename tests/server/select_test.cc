@@ -301,5 +301,29 @@ TEST_F(Fp8Test, SmallIntegerKeysSelectLikeBf16) {
   ExpectSameSelection(*got, Host("a").Select(1, q, 4, 870, Params(5, 0, 1), PageTable()), "fp8");
 }
 
+// Keys stored as fp4: answers equal the reference run on the same fp4 rounding of the keys.
+class Fp4Test : public ServerTest {
+ protected:
+  Fp4Test() { options_.engine.key_storage = kernels::KeyStorage::kFp4E2M1; }
+};
+
+TEST_F(Fp4Test, SelectsLikeTheReferenceOnFp4Keys) {
+  absl::StatusOr<v1::ServerInfoResponse> info = client_->ServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->key_storage(), v1::KEY_STORAGE_FP4_E2M1);
+  EXPECT_EQ(info->bytes_per_page(), 128u * (32 + 4) * 2);  // head_dim 64, two layers
+  ASSERT_NO_FATAL_FAILURE(AppendRandomAllLayers("a", 900));
+  Host("a").storage = kernels::KeyStorage::kFp4E2M1;
+  for (int layer = 0; layer < 2; ++layer) {
+    std::vector<float> q;
+    v1::SelectBlocksRequest req = RandomSelect("a", layer, 4, 30, &q);
+    req.set_topk(5);
+    absl::StatusOr<Selection> got = client_->Select(req);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectSameSelection(*got, Host("a").Select(layer, q, 4, 870, Params(5, 0, 1), PageTable()),
+                        "fp4");
+  }
+}
+
 }  // namespace
 }  // namespace indexer::testing

@@ -1,9 +1,10 @@
 // HostKeyPool: a paged key pool in host memory, to feed kernels::SelectSpan in tests.
 //
 // Tests hold a sequence's keys as bf16 bits laid out [len][head_dim] (what a client sends after
-// rounding) and place them into pages through a block table, stored as bf16 or fp8 exactly as a
-// backend stores them. Slots never written hold a poison value (a large key), so a selector that
-// reads past a token's causal limit or past the sequence gets a visibly wrong answer.
+// rounding) and place them into pages through a block table, stored as bf16, fp8 or fp4 exactly
+// as a backend stores them (kernels::StoreKey). Slots never written hold a poison value (a large
+// key), so a selector that reads past a token's causal limit or past the sequence gets a visibly
+// wrong answer.
 //
 // Also: RunSelectSpan, which runs kernels::SelectSpan with outputs poisoned beforehand, so that
 // entries a selector forgets to write are caught. Header-only.
@@ -35,8 +36,16 @@ class HostKeyPool {
       bytes_.resize(elems * 2);
       const uint16_t poison = Bf16(4096.0f);
       for (size_t i = 0; i < elems; ++i) std::memcpy(&bytes_[i * 2], &poison, 2);
-    } else {
+    } else if (storage == kernels::KeyStorage::kFp8E4M3) {
       bytes_.assign(elems, kernels::FloatToFp8E4M3(448.0f));
+    } else {
+      // Codes 6 and scales 448: every value 2688.
+      bytes_.assign(static_cast<size_t>(num_pages * kernels::PageBytes(storage, head_dim)), 0x77);
+      for (int64_t p = 0; p < num_pages; ++p) {
+        std::fill_n(&bytes_[kernels::Fp4ScalesOffset(p, 0, head_dim)],
+                    kernels::kBlockSize * head_dim / kernels::kFp4GroupSize,
+                    kernels::FloatToFp8E4M3(448.0f));
+      }
     }
   }
 
@@ -44,17 +53,8 @@ class HostKeyPool {
   // slot t % 128, converting to the storage type.
   void Write(const std::vector<int32_t>& block_table, const uint16_t* keys, int64_t len) {
     for (int64_t t = 0; t < len; ++t) {
-      const int64_t slot = int64_t{block_table[t / kernels::kBlockSize]} * kernels::kBlockSize +
-                           t % kernels::kBlockSize;
-      for (int d = 0; d < head_dim_; ++d) {
-        const uint16_t v = keys[t * head_dim_ + d];
-        const int64_t e = slot * head_dim_ + d;
-        if (storage_ == kernels::KeyStorage::kBf16) {
-          std::memcpy(&bytes_[e * 2], &v, 2);
-        } else {
-          bytes_[e] = kernels::FloatToFp8E4M3(kernels::Bf16ToFloat(v));
-        }
-      }
+      kernels::StoreKey(bytes_.data(), storage_, head_dim_, block_table[t / kernels::kBlockSize],
+                        static_cast<int>(t % kernels::kBlockSize), keys + t * head_dim_);
     }
   }
 

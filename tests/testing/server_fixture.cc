@@ -53,7 +53,7 @@ Selection HostSequence::Select(int layer, const std::vector<float>& queries, int
   const int n = static_cast<int>(queries.size() / (static_cast<size_t>(num_heads) * head_dim_));
   const int64_t blocks = kernels::VisibleBlocks(p0 + n - 1);
   // The host copy as a pool whose page b is block b.
-  HostKeyPool pool(head_dim_, kernels::KeyStorage::kBf16, blocks);
+  HostKeyPool pool(head_dim_, storage, blocks);
   const std::vector<int32_t> table = IdentityTable(blocks);
   pool.Write(table, keys_[layer].data(), std::min(length(layer), blocks * kernels::kBlockSize));
   std::vector<uint16_t> q(queries.size());

@@ -46,6 +46,8 @@ class HostSequence {
   void Truncate(int64_t length);
   int64_t length(int layer) const { return static_cast<int64_t>(keys_[layer].size()) / head_dim_; }
   std::vector<int32_t> attention_pages;
+  // How the reference stores the keys before selecting (the server's --key_dtype).
+  kernels::KeyStorage storage = kernels::KeyStorage::kBf16;
 
   // The reference selection of queries [n][H][head_dim] at positions p0.. on `layer`.
   Selection Select(int layer, const std::vector<float>& queries, int num_heads, int64_t p0,

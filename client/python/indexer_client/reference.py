@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from indexer_client.bf16 import round_to_bf16
+from indexer_client.bf16 import round_to_bf16, round_to_fp4_e2m1, round_to_fp8_e4m3
 from indexer_client.selection import Selection
 
 BLOCK_SIZE = 128
@@ -21,14 +21,21 @@ _NO_LENGTHS = np.zeros(0, np.int64)
 
 def reference_select(keys, queries, p0: int, topk: int, init_blocks: int, local_blocks: int,
                      attn_pages: Optional[Sequence[int]] = None, pages_per_block: int = 8,
-                     block_page_stride: int = 8) -> Selection:
+                     block_page_stride: int = 8, key_storage: str = "bf16") -> Selection:
     """Selects blocks for queries [n][H][head_dim] at positions p0 .. p0 + n - 1.
 
-    keys: [len][head_dim], one layer of the sequence (bf16 storage; values are rounded to bf16
-    here, as the server does). attn_pages: the sequence's attention page per block, to build the
-    sparse page table. Returns a Selection (lengths empty).
+    keys: [len][head_dim], one layer of the sequence (values are rounded to bf16 here, then to
+    the cache's storage, as the server does). attn_pages: the sequence's attention page per block,
+    to build the sparse page table. key_storage: the server's ServerInfo.key_storage ("bf16",
+    "fp8_e4m3" or "fp4_e2m1"). Returns a Selection (lengths empty).
     """
     keys = round_to_bf16(np.asarray(keys, dtype=np.float32))
+    if key_storage == "fp8_e4m3":
+        keys = round_to_fp8_e4m3(keys)
+    elif key_storage == "fp4_e2m1":
+        keys = round_to_fp4_e2m1(keys)
+    elif key_storage != "bf16":
+        raise ValueError(f"key_storage {key_storage!r} is not bf16, fp8_e4m3 or fp4_e2m1")
     q = round_to_bf16(np.asarray(queries, dtype=np.float32))
     n, heads, dim = q.shape
     positions = p0 + np.arange(n)

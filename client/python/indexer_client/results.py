@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-_KEY_STORAGE = {0: "unspecified", 1: "bf16", 2: "fp8_e4m3"}
+_KEY_STORAGE = {0: "unspecified", 1: "bf16", 2: "fp8_e4m3", 3: "fp4_e2m1"}
 
 
 def _lengths(values) -> np.ndarray:
@@ -91,7 +91,7 @@ class SequenceInfo:
 class ServerInfo:
     """ServerInfo: the server's configuration, defaults, limits, capacity and use (pages), and
     the caller's tenant (its pages and sequences, with their limits; 0: none). key_storage is
-    "bf16" or "fp8_e4m3"."""
+    "bf16", "fp8_e4m3" or "fp4_e2m1"."""
 
     version: str
     backend: str

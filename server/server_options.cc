@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "engine/status_macros.h"
 #include "server/listen_address.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
@@ -396,41 +397,76 @@ absl::StatusOr<std::vector<int>> ParseDevices(absl::string_view text) {
   return out;
 }
 
-absl::StatusOr<ServerOptions> OptionsFromFlags() {
-  ServerOptions o;
+namespace {
+
+template <typename T>
+absl::Status OutOfRange(absl::string_view flag, T value, absl::string_view range) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " is ", value, "; it must be in ", range));
+}
+
+absl::StatusOr<kernels::KeyStorage> ParseKeyStorage(std::string dtype) {
+  dtype = absl::AsciiStrToLower(dtype);
+  if (dtype == "bf16") return kernels::KeyStorage::kBf16;
+  if (dtype == "fp8" || dtype == "fp8_e4m3" || dtype == "e4m3") {
+    return kernels::KeyStorage::kFp8E4M3;
+  }
+  if (dtype == "fp4" || dtype == "fp4_e2m1" || dtype == "e2m1") {
+    return kernels::KeyStorage::kFp4E2M1;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--key_dtype is '", dtype, "'; it must be bf16, fp8 or fp4"));
+}
+
+// The listening addresses, the devices and the serving threads' flags, checked.
+absl::Status ReadProcessFlags(ServerOptions& o) {
   o.listen = absl::GetFlag(FLAGS_listen);
   o.health_listen = absl::GetFlag(FLAGS_health_listen);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  if (absl::Status s = CheckListenSyntax(o); !s.ok()) return s;
+  INDEXER_RETURN_IF_ERROR(CheckListenSyntax(o));
   o.device = absl::GetFlag(FLAGS_device);
+  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device is '", o.device, "'; it must be auto, cpu or cuda"));
+  }
   absl::StatusOr<std::vector<int>> devices = ParseDevices(absl::GetFlag(FLAGS_devices));
   if (!devices.ok()) return devices.status();
   o.devices = *std::move(devices);
   o.cpu_devices = absl::GetFlag(FLAGS_cpu_devices);
   if (o.cpu_devices < 1 || o.cpu_devices > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--cpu_devices is ", o.cpu_devices, "; it must be in [1, 64]"));
+    return OutOfRange("cpu_devices", o.cpu_devices, "[1, 64]");
   }
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  if (o.max_message_bytes < (1 << 16) || o.max_message_bytes > (int64_t{1} << 31) - 1) {
+    return OutOfRange("max_message_bytes", o.max_message_bytes, "[65536, 2147483647]");
+  }
   o.handler_threads = absl::GetFlag(FLAGS_handler_threads);
+  if (o.handler_threads < 0 || o.handler_threads > 4096) {
+    return OutOfRange("handler_threads", o.handler_threads, "[0, 4096]");
+  }
   o.handler_spin_us = absl::GetFlag(FLAGS_handler_spin_us);
+  if (o.handler_spin_us < 0 || o.handler_spin_us > 10000) {
+    return OutOfRange("handler_spin_us", o.handler_spin_us, "[0, 10000]");
+  }
   o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  if (!(o.drain_seconds >= 0) || o.drain_seconds > 3600) {
+    return OutOfRange("drain_seconds", o.drain_seconds, "[0, 3600]");
+  }
   o.not_serving_seconds = absl::GetFlag(FLAGS_not_serving_seconds);
-  o.log_level = absl::GetFlag(FLAGS_log_level);
-  engine::EngineConfig& e = o.engine;
+  if (!(o.not_serving_seconds >= 0) || o.not_serving_seconds > 60) {
+    return OutOfRange("not_serving_seconds", o.not_serving_seconds, "[0, 60]");
+  }
+  return absl::OkStatus();
+}
+
+// The engine's flags: shapes, storage, defaults, limits and batching; then the pool, whose page
+// size depends on head_dim, dtype and layers (checked first).
+absl::Status ReadEngineFlags(engine::EngineConfig& e) {
   e.head_dim = absl::GetFlag(FLAGS_head_dim);
   e.layers = absl::GetFlag(FLAGS_layers);
-  const std::string dtype = absl::AsciiStrToLower(absl::GetFlag(FLAGS_key_dtype));
-  if (dtype == "bf16") {
-    e.key_storage = kernels::KeyStorage::kBf16;
-  } else if (dtype == "fp8" || dtype == "fp8_e4m3" || dtype == "e4m3") {
-    e.key_storage = kernels::KeyStorage::kFp8E4M3;
-  } else if (dtype == "fp4" || dtype == "fp4_e2m1" || dtype == "e2m1") {
-    e.key_storage = kernels::KeyStorage::kFp4E2M1;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--key_dtype is '", dtype, "'; it must be bf16, fp8 or fp4"));
-  }
+  absl::StatusOr<kernels::KeyStorage> storage = ParseKeyStorage(absl::GetFlag(FLAGS_key_dtype));
+  if (!storage.ok()) return storage.status();
+  e.key_storage = *storage;
   e.max_index_heads = absl::GetFlag(FLAGS_max_index_heads);
   e.max_topk = absl::GetFlag(FLAGS_max_topk);
   e.defaults.topk = absl::GetFlag(FLAGS_topk);
@@ -449,33 +485,20 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   e.batching.max_delay_us = absl::GetFlag(FLAGS_batch_max_delay_us);
   e.batching.queue_bound = absl::GetFlag(FLAGS_batch_queue_bound);
   e.batching.max_inflight = absl::GetFlag(FLAGS_batch_max_inflight);
-  // The page size depends on head_dim, dtype and layers: check those before sizing the pool.
+  const auto as_flag_error = [](const absl::Status& s) {
+    return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
+  };
   e.capacity_pages = 1;
-  if (absl::Status s = e.Validate(); !s.ok()) return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
+  if (absl::Status s = e.Validate(); !s.ok()) return as_flag_error(s);
   absl::StatusOr<int64_t> pages = ParseCapacity(absl::GetFlag(FLAGS_capacity), e.BytesPerPage());
-  if (!pages.ok()) return absl::InvalidArgumentError(absl::StrCat("--", pages.status().message()));
+  if (!pages.ok()) return as_flag_error(pages.status());
   e.capacity_pages = *pages;
-  if (absl::Status s = e.Validate(); !s.ok()) return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
-  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda") {
-    return absl::InvalidArgumentError(absl::StrCat("--device is '", o.device, "'; it must be auto, cpu or cuda"));
-  }
-  if (o.max_message_bytes < (1 << 16) || o.max_message_bytes > (int64_t{1} << 31) - 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes is ", o.max_message_bytes,
-                                                   "; it must be in [65536, 2147483647]"));
-  }
-  if (o.handler_threads < 0 || o.handler_threads > 4096) {
-    return absl::InvalidArgumentError(absl::StrCat("--handler_threads is ", o.handler_threads, "; it must be in [0, 4096]"));
-  }
-  if (o.handler_spin_us < 0 || o.handler_spin_us > 10000) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--handler_spin_us is ", o.handler_spin_us, "; it must be in [0, 10000]"));
-  }
-  if (!(o.drain_seconds >= 0) || o.drain_seconds > 3600) {
-    return absl::InvalidArgumentError(absl::StrCat("--drain_seconds is ", o.drain_seconds, "; it must be in [0, 3600]"));
-  }
-  if (!(o.not_serving_seconds >= 0) || o.not_serving_seconds > 60) {
-    return absl::InvalidArgumentError(absl::StrCat("--not_serving_seconds is ", o.not_serving_seconds, "; it must be in [0, 60]"));
-  }
+  if (absl::Status s = e.Validate(); !s.ok()) return as_flag_error(s);
+  return absl::OkStatus();
+}
+
+// TLS, tokens and the tenants' page quota.
+absl::Status ReadSecurityFlags(ServerOptions& o) {
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
@@ -483,37 +506,56 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
     return absl::InvalidArgumentError("--tls_cert and --tls_key go together: give both or neither");
   }
   if (!o.tls_client_ca.empty() && o.tls_cert.empty()) {
-    return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key (mutual TLS is TLS)");
+    return absl::InvalidArgumentError(
+        "--tls_client_ca needs --tls_cert and --tls_key (mutual TLS is TLS)");
   }
   o.token_file = absl::GetFlag(FLAGS_token_file);
   const std::string quota = absl::GetFlag(FLAGS_tenant_quota);
   if (quota != "0" && !quota.empty()) {
-    absl::StatusOr<int64_t> pages = ParseCapacity(quota, e.BytesPerPage());
+    absl::StatusOr<int64_t> pages = ParseCapacity(quota, o.engine.BytesPerPage());
     if (!pages.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tenant_quota is '", quota, "'; give 0 (no quota), a page count (1024) or a size (2GiB)"));
+      return absl::InvalidArgumentError(absl::StrCat("--tenant_quota is '", quota,
+                                                     "'; give 0 (no quota), a page count (1024) "
+                                                     "or a size (2GiB)"));
     }
     o.tenant_quota_pages = *pages;
   }
+  return absl::OkStatus();
+}
+
+// Snapshots, the idle-sequence TTL and the log level.
+absl::Status ReadLifecycleFlags(ServerOptions& o) {
   o.snapshot_dir = absl::GetFlag(FLAGS_snapshot_dir);
   o.snapshot_on_shutdown = absl::GetFlag(FLAGS_snapshot_on_shutdown);
   o.restore = absl::GetFlag(FLAGS_restore);
   o.idle_ttl = absl::GetFlag(FLAGS_idle_ttl);
   if (o.idle_ttl < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("--idle_ttl is ", absl::FormatDuration(o.idle_ttl),
-                                                   "; it must be 0 (off) or positive"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--idle_ttl is ", absl::FormatDuration(o.idle_ttl), "; it must be 0 (off) or positive"));
   }
   if (o.idle_ttl > absl::ZeroDuration() && o.idle_ttl < absl::Seconds(1)) {
-    return absl::InvalidArgumentError(absl::StrCat("--idle_ttl is ", absl::FormatDuration(o.idle_ttl),
-                                                   "; it must be 0 (off) or at least 1s"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--idle_ttl is ", absl::FormatDuration(o.idle_ttl), "; it must be 0 (off) or at least 1s"));
   }
+  o.log_level = absl::GetFlag(FLAGS_log_level);
   static const char* const kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
   bool level_ok = false;
   for (const char* l : kLevels) level_ok = level_ok || o.log_level == l;
   if (!level_ok) {
-    return absl::InvalidArgumentError(absl::StrCat("--log_level is '", o.log_level,
-                                                   "'; it must be trace, debug, info, warn, error or off"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--log_level is '", o.log_level, "'; it must be trace, debug, info, warn, error or off"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ServerOptions> OptionsFromFlags() {
+  ServerOptions o;
+  INDEXER_RETURN_IF_ERROR(ReadProcessFlags(o));
+  INDEXER_RETURN_IF_ERROR(ReadEngineFlags(o.engine));
+  INDEXER_RETURN_IF_ERROR(ReadSecurityFlags(o));
+  INDEXER_RETURN_IF_ERROR(ReadLifecycleFlags(o));
   return o;
 }
 
@@ -526,20 +568,25 @@ int HandlerThreads(const ServerOptions& o) {
 std::string Summary(const ServerOptions& o) {
   const engine::EngineConfig& e = o.engine;
   return absl::StrFormat(
-      "listen=%s health_listen=%s device=%s devices=%s cpu_devices=%d head_dim=%d layers=%d key_dtype=%s "
+      "listen=%s health_listen=%s device=%s devices=%s cpu_devices=%d head_dim=%d layers=%d "
+      "key_dtype=%s "
       "capacity=%d pages (%.2f GiB) per device "
       "max_index_heads=%d max_topk=%d topk=%d init_blocks=%d local_blocks=%d pages_per_block=%d "
       "block_page_stride=%d max_tokens_per_sequence=%d max_query_tokens=%d max_batch_items=%d "
-      "max_sequences=%d tenant_max_sequences=%d batching=%s batch_max_tasks=%d batch_max_delay_us=%d batch_queue_bound=%d "
-      "batch_max_inflight=%d handler_threads=%d handler_spin_us=%d max_message_bytes=%d tls=%s token_file=%s tenant_quota=%d pages snapshot_dir=%s "
+      "max_sequences=%d tenant_max_sequences=%d batching=%s batch_max_tasks=%d "
+      "batch_max_delay_us=%d batch_queue_bound=%d batch_max_inflight=%d handler_threads=%d "
+      "handler_spin_us=%d max_message_bytes=%d tls=%s token_file=%s tenant_quota=%d pages "
+      "snapshot_dir=%s "
       "snapshot_on_shutdown=%s restore=%s metrics_listen=%s idle_ttl=%s",
-      o.listen, o.health_listen.empty() ? "off" : o.health_listen, o.device, o.devices.empty() ? "all" : absl::StrJoin(o.devices, ","),
+      o.listen, o.health_listen.empty() ? "off" : o.health_listen, o.device,
+      o.devices.empty() ? "all" : absl::StrJoin(o.devices, ","),
       o.cpu_devices, e.head_dim, e.layers, engine::KeyStorageName(e.key_storage),
       e.capacity_pages, static_cast<double>(e.capacity_pages * e.BytesPerPage()) / (1 << 30),
       e.max_index_heads, e.max_topk, e.defaults.topk, e.defaults.init_blocks,
       e.defaults.local_blocks, e.page_table.pages_per_block, e.page_table.block_page_stride,
       e.max_tokens_per_sequence, e.max_query_tokens, e.max_batch_items, e.max_sequences,
-      e.tenant_max_sequences, e.batching.enabled ? "on" : "off", e.batching.max_tasks, e.batching.max_delay_us,
+      e.tenant_max_sequences, e.batching.enabled ? "on" : "off", e.batching.max_tasks,
+      e.batching.max_delay_us,
       e.batching.queue_bound, e.batching.max_inflight, HandlerThreads(o), o.handler_spin_us,
       o.max_message_bytes,
       o.tls_cert.empty() ? "off" : (o.tls_client_ca.empty() ? "on" : "mutual"),

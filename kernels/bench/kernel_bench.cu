@@ -239,6 +239,10 @@ struct Workload {
     CHECK_CUDA(cudaMalloc(&scores, staging.ScoreFloats() * 4));
     CHECK_CUDA(cudaMalloc(&counters, staging.DecodeCounters() * 4));
     CHECK_CUDA(cudaMemset(counters, 0, staging.DecodeCounters() * 4));
+    // The fills and the memset run on the legacy default stream, which the timed stream (created
+    // non-blocking) does not wait for: the counters must be zero before the first launch, also
+    // when their memory held another case's counters.
+    CHECK_CUDA(cudaDeviceSynchronize());
   }
   int num_spans() const { return static_cast<int>(spans.size()); }
   const SpanDesc* d_descs() const { return staging.DeviceDescs(in); }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/cpu_backend.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/engine.h"
@@ -49,7 +50,7 @@ TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
   for (int op = 0; op < 300; ++op) {
     const int kind = static_cast<int>(rng() % 10);
     if (live.empty() || kind < 3) {  // append, creating when new
-      const std::string id = live.empty() || rng() % 3 == 0 ? "s" + std::to_string(next_id++)
+      const std::string id = live.empty() || rng() % 3 == 0 ? absl::StrCat("s", next_id++)
                                                             : live[rng() % live.size()];
       AppendRequest a;
       a.sequence_id = id;
@@ -68,7 +69,7 @@ TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
       }
     } else if (kind == 3) {  // fork
       const std::string src = live[rng() % live.size()];
-      const std::string dst = "s" + std::to_string(next_id++);
+      const std::string dst = absl::StrCat("s", next_id++);
       std::optional<int64_t> len;
       if (rng() % 2) len = static_cast<int64_t>(rng() % 2000);
       auto c = cpu_->Fork(src, dst, len);

@@ -371,7 +371,7 @@ TEST_F(GpuSelectTest, RegisterTopKRowsAroundItsBounds) {
     PoolCase c;
     c.head_dim = 64;
     c.values = v;
-    for (const auto [rows, blocks] : {std::pair{1, 2049 + static_cast<int64_t>(rng_() % 2048)}, std::pair{1, int64_t{4097}},
+    for (const auto& [rows, blocks] : {std::pair{1, 2049 + static_cast<int64_t>(rng_() % 2048)}, std::pair{1, int64_t{4097}},
                                       std::pair{2, 1025 + static_cast<int64_t>(rng_() % 1024)},
                                       std::pair{-2, 2049 + static_cast<int64_t>(rng_() % 2048)}}) {
       SpanCase s;

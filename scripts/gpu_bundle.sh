@@ -15,13 +15,13 @@ fi
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a-real \
   "${launcher[@]}" >/dev/null
 cmake --build "$build" --target gpu_select_test cuda_backend_test security_gpu_test indexer-kernel-bench \
-  indexer-stream-probe indexer-server indexer-cli indexer-bench indexer-echo-server fuzz_corpus_test
+  indexer-stream-probe indexer-launch-probe indexer-server indexer-cli indexer-bench indexer-echo-server fuzz_corpus_test
 rm -rf "$root/.device/bundle" "$root/.device/bench"
 mkdir -p "$root/.device"
 bundler=${BUNDLE_LIBS:-$root/../shared/tools/bundle-libs.sh}
 for bin in "$build/tests/gpu/gpu_select_test" "$build/tests/gpu/cuda_backend_test" \
            "$build/tests/security/security_gpu_test" \
-           "$build/kernels/indexer-kernel-bench" "$build/kernels/indexer-stream-probe" "$build/server/indexer-server" \
+           "$build/kernels/indexer-kernel-bench" "$build/kernels/indexer-stream-probe" "$build/kernels/indexer-launch-probe" "$build/server/indexer-server" \
            "$build/client/cpp/indexer-cli" "$build/client/bench/indexer-bench" \
            "$build/client/bench/indexer-echo-server" "$build/tests/fuzz/fuzz_corpus_test"; do
   # bundle-libs.sh stops early for a binary that needs no extra library; check the copy instead.

@@ -81,6 +81,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     | tee "$out/timeline.txt" || status=1
   step "streaming probe (access patterns on the B=256 L=128K bytes)"
   $bundle/indexer-stream-probe 262144 2>&1 | tee "$out/stream_probe.txt" || status=1
+  step "launch probe (the host's cost of one small device round trip)"
+  $bundle/indexer-launch-probe 2>&1 | tee "$out/launch_probe.txt" || status=1
 fi
 if [ "$what" = sweep ]; then
   # Blocks per CTA against time on the large and the medium decode cases.

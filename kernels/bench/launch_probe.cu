@@ -1,0 +1,167 @@
+// indexer-launch-probe: the host's cost of one small device round trip, the floor under every
+// step the CUDA backend runs (docs/PERF.md, "The service against the echo floor"). One 16 KB
+// upload from pinned memory, two tiny kernels and one download, handed to the GPU five ways (a
+// graph of all four, or kernels-only graph plus copies, or four stream calls; the wait by
+// cudaStreamSynchronize, by polling cudaStreamQuery, or on another thread), 2,000 times each with
+// a pause between; prints the median time to launch, to wait and in all.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int kValues = 4096;
+constexpr int kRuns = 2000;
+
+__global__ void AddOne(const int* in, int* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = in[i] + 1;
+}
+
+__global__ void Twice(int* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] *= 2;
+}
+
+void Check(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
+  std::exit(1);
+}
+
+using Clock = std::chrono::steady_clock;
+
+double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+
+double Median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
+struct Buffers {
+  int* h_in = nullptr;
+  int* h_out = nullptr;
+  int* d_in = nullptr;
+  int* d_out = nullptr;
+  int n = kValues;
+  size_t bytes = kValues * sizeof(int);
+};
+
+// A graph of `kernels` AddOne then Twice, between an upload and a download when `copies`.
+cudaGraphExec_t BuildGraph(Buffers& b, bool copies) {
+  cudaGraph_t g;
+  Check(cudaGraphCreate(&g, 0), "cudaGraphCreate");
+  cudaGraphNode_t prev = nullptr;
+  if (copies) {
+    Check(cudaGraphAddMemcpyNode1D(&prev, g, nullptr, 0, b.d_in, b.h_in, b.bytes,
+                                   cudaMemcpyHostToDevice),
+          "upload node");
+  }
+  void* add_args[] = {&b.d_in, &b.d_out, &b.n};
+  void* twice_args[] = {&b.d_out, &b.n};
+  cudaKernelNodeParams p{};
+  p.gridDim = dim3(kValues / 256);
+  p.blockDim = dim3(256);
+  p.func = reinterpret_cast<void*>(AddOne);
+  p.kernelParams = add_args;
+  cudaGraphNode_t add;
+  Check(cudaGraphAddKernelNode(&add, g, prev == nullptr ? nullptr : &prev, prev ? 1 : 0, &p),
+        "kernel node");
+  p.func = reinterpret_cast<void*>(Twice);
+  p.kernelParams = twice_args;
+  cudaGraphNode_t twice;
+  Check(cudaGraphAddKernelNode(&twice, g, &add, 1, &p), "kernel node");
+  if (copies) {
+    cudaGraphNode_t down;
+    Check(cudaGraphAddMemcpyNode1D(&down, g, &twice, 1, b.h_out, b.d_out, b.bytes,
+                                   cudaMemcpyDeviceToHost),
+          "download node");
+  }
+  cudaGraphExec_t exec;
+  Check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
+  Check(cudaGraphDestroy(g), "cudaGraphDestroy");
+  return exec;
+}
+
+// Times `launch` then `wait`, kRuns times with a 50 µs pause between runs.
+template <typename Launch, typename Wait>
+void Time(const char* name, Launch launch, Wait wait) {
+  std::vector<double> launched, waited, total;
+  for (int i = 0; i < kRuns; ++i) {
+    const Clock::time_point t0 = Clock::now();
+    launch();
+    const Clock::time_point t1 = Clock::now();
+    wait();
+    const Clock::time_point t2 = Clock::now();
+    launched.push_back(Micros(t1 - t0));
+    waited.push_back(Micros(t2 - t1));
+    total.push_back(Micros(t2 - t0));
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  std::printf("%-46s launch p50 %6.2f us  wait p50 %6.2f us  total p50 %6.2f us\n", name,
+              Median(launched), Median(waited), Median(total));
+}
+
+}  // namespace
+
+int main() {
+  Buffers b;
+  Check(cudaHostAlloc(&b.h_in, b.bytes, 0), "cudaHostAlloc");
+  Check(cudaHostAlloc(&b.h_out, b.bytes, 0), "cudaHostAlloc");
+  Check(cudaMalloc(&b.d_in, b.bytes), "cudaMalloc");
+  Check(cudaMalloc(&b.d_out, b.bytes), "cudaMalloc");
+  cudaStream_t st;
+  Check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  const cudaGraphExec_t whole = BuildGraph(b, true);
+  const cudaGraphExec_t kernels_only = BuildGraph(b, false);
+  Check(cudaGraphUpload(whole, st), "cudaGraphUpload");
+  Check(cudaGraphUpload(kernels_only, st), "cudaGraphUpload");
+
+  const auto sync = [&] { Check(cudaStreamSynchronize(st), "cudaStreamSynchronize"); };
+  const auto poll = [&] {
+    while (cudaStreamQuery(st) == cudaErrorNotReady) {
+    }
+  };
+  const auto stream_calls = [&] {
+    cudaMemcpyAsync(b.d_in, b.h_in, b.bytes, cudaMemcpyHostToDevice, st);
+    AddOne<<<kValues / 256, 256, 0, st>>>(b.d_in, b.d_out, b.n);
+    Twice<<<kValues / 256, 256, 0, st>>>(b.d_out, b.n);
+    cudaMemcpyAsync(b.h_out, b.d_out, b.bytes, cudaMemcpyDeviceToHost, st);
+  };
+  Time("graph: upload, 2 kernels, download; sync", [&] { cudaGraphLaunch(whole, st); }, sync);
+  Time("graph: upload, 2 kernels, download; poll", [&] { cudaGraphLaunch(whole, st); }, poll);
+  Time("copies around a graph of 2 kernels; sync", [&] {
+    cudaMemcpyAsync(b.d_in, b.h_in, b.bytes, cudaMemcpyHostToDevice, st);
+    cudaGraphLaunch(kernels_only, st);
+    cudaMemcpyAsync(b.h_out, b.d_out, b.bytes, cudaMemcpyDeviceToHost, st);
+  }, sync);
+  Time("four stream calls; sync", stream_calls, sync);
+  Time("four stream calls; poll", stream_calls, poll);
+
+  // The whole graph, waited for by another thread (as a lane's completion thread waits).
+  std::atomic<int> launched{0}, seen{0};
+  std::thread waiter([&] {
+    for (int i = 0; i < kRuns; ++i) {
+      while (launched.load() <= i) {
+      }
+      sync();
+      seen.store(i + 1);
+    }
+  });
+  Time("graph; another thread syncs", [&] {
+    cudaGraphLaunch(whole, st);
+    launched.fetch_add(1);
+  }, [&] {
+    while (seen.load() < launched.load()) {
+    }
+  });
+  waiter.join();
+  Check(cudaGetLastError(), "the runs");
+  return 0;
+}

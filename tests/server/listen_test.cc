@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/indexer_server.h"
 #include "server/listen_address.h"
+#include "tests/testing/raw_call.h"
 #include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
@@ -205,24 +206,7 @@ TEST(UnixSocketServer, ServesCallsOnTheSocketAndRemovesItOnShutdown) {
 
 // A raw call of `method` with an empty request; its status.
 grpc::Status RawCall(grpc::Channel* channel, const std::string& method) {
-  grpc::GenericStub stub(channel->shared_from_this());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  grpc::Slice empty("");
-  grpc::ByteBuffer request(&empty, 1), response;
-  grpc::Status status;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
-    std::lock_guard<std::mutex> lock(mu);
-    status = s;
-    done = true;
-    cv.notify_all();
-  });
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return done; });
-  return status;
+  return RawUnary(channel, method, "", std::chrono::seconds(5));
 }
 
 class HealthListenerTest : public ServerTest {

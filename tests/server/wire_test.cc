@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/wire_messages.h"
 #include "tests/testing/files.h"
+#include "tests/testing/raw_call.h"
 #include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
@@ -22,28 +23,6 @@ using ::testing::HasSubstr;
 grpc::ByteBuffer Buffer(const std::string& bytes) {
   grpc::Slice slice(bytes);
   return grpc::ByteBuffer(&slice, 1);
-}
-
-// A unary call of `method` carrying `bytes`; its status.
-grpc::Status RawUnary(grpc::Channel* channel, const std::string& method,
-                      const std::string& bytes) {
-  grpc::GenericStub stub(channel->shared_from_this());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::ByteBuffer request = Buffer(bytes), response;
-  grpc::Status status;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
-    std::lock_guard<std::mutex> lock(mu);
-    status = s;
-    done = true;
-    cv.notify_all();
-  });
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return done; });
-  return status;
 }
 
 // Field 1, length-delimited, holding bytes that are not UTF-8.

@@ -52,8 +52,8 @@ void BatchStreamReactor::OnReadDone(bool ok) {
     ++requests_read_;
     auto slot = std::make_unique<Slot>();
     absl::StatusOr<std::unique_ptr<StepCall>> call =
-        StepCall::Parse(StepRpc::kBatchStream, service_->engine_, service_->metrics_, caller_, ctx_,
-                        request_, &slot->answer);
+        StepCall::Parse(StepRpc::kBatchStream, service_->StepServices(), caller_, ctx_, request_,
+                        &slot->answer);
     if (!call.ok()) {
       // The proto promises one answer per request; a request that does not parse has none, so
       // the stream ends with why, once the requests before it are answered.
@@ -75,7 +75,7 @@ void BatchStreamReactor::OnReadDone(bool ok) {
     }
     ReadNextLocked();
   }
-  StartCalls(start);
+  if (!start.empty()) StartCalls(start);
 }
 
 bool BatchStreamReactor::WaitsForEarlierLocked(const Slot& slot) const {
@@ -121,7 +121,7 @@ void BatchStreamReactor::OnCallDone(Slot* slot, grpc::Status status) {
     ReadNextLocked();
     MaybeFinishLocked();
   }
-  StartCalls(start);
+  if (!start.empty()) StartCalls(start);
 }
 
 void BatchStreamReactor::WriteNextLocked() {

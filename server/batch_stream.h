@@ -61,6 +61,9 @@ class BatchStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer
   // Whether `slot` names a sequence that an earlier unanswered, unfinished request names.
   bool WaitsForEarlierLocked(const Slot& slot) const;
   // Calls to start, collected under the lock and started after it (a call may end inside Run).
+  // Once the lock is released a reactor with no call running may be finished and deleted by
+  // another thread, so StartCalls is called only with a non-empty list: those calls are running
+  // and keep the reactor alive until the last one ends.
   using StartList = std::vector<Slot*>;
   void StartWaitingLocked(StartList* start);
   void StartCalls(const StartList& start);

@@ -59,6 +59,15 @@ absl::Status PrepareAppend(const EngineConfig& config, const AppendRequest& r,
   return absl::OkStatus();
 }
 
+// INVALID_ARGUMENT when provided memory for an output is non-empty but smaller than its shape.
+absl::Status CheckProvided(absl::string_view output, std::span<const int32_t> provided,
+                           int64_t values) {
+  if (provided.empty() || static_cast<int64_t>(provided.size()) >= values) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the ", output, " output reference holds ", provided.size() * sizeof(int32_t),
+      " bytes; this selection writes ", values * int64_t{sizeof(int32_t)}));
+}
+
 absl::Status PrepareSelect(const EngineConfig& config, const StepRequest& r, PreparedStep* out) {
   INDEXER_RETURN_IF_ERROR(CheckRange("num_heads", r.num_heads, 1, config.max_index_heads));
   out->num_heads = static_cast<int>(r.num_heads);
@@ -82,6 +91,12 @@ absl::Status PrepareSelect(const EngineConfig& config, const StepRequest& r, Pre
   out->params.topk = static_cast<int>(topk);
   out->params.init_blocks = static_cast<int>(std::min(init, kMaxForcedBlocks));
   out->params.local_blocks = static_cast<int>(std::min(local, kMaxForcedBlocks));
+  const int64_t rows = n * r.num_heads;
+  INDEXER_RETURN_IF_ERROR(CheckProvided("block_ids", r.outputs.block_ids, rows * topk));
+  INDEXER_RETURN_IF_ERROR(CheckProvided(
+      "page_table", r.outputs.page_table, rows * topk * config.page_table.pages_per_block));
+  INDEXER_RETURN_IF_ERROR(CheckProvided("context_lens", r.outputs.context_lens, rows));
+  out->outputs = r.outputs;
   return absl::OkStatus();
 }
 
@@ -101,6 +116,7 @@ absl::Status RangeError(absl::string_view field, int64_t value, int64_t lo, int6
 }
 
 absl::Status PrepareStep(const EngineConfig& config, const StepRequest& r, PreparedStep* out) {
+  if (!r.refused.ok()) return r.refused;
   INDEXER_RETURN_IF_ERROR(CheckId(r.sequence_id, "sequence_id"));
   INDEXER_RETURN_IF_ERROR(CheckRange("layer", r.layer, 0, config.layers - 1));
   out->tenant = r.tenant;
@@ -125,10 +141,11 @@ int64_t AnswerBytes(const EngineConfig& config, const PreparedStep& s, bool attn
   int64_t bytes = 64 + int64_t{8} * config.layers;
   if (s.has_select) {
     const int64_t rows = int64_t{s.num_tokens} * s.num_heads;
-    bytes += 4 * rows * s.params.topk;
-    if (attn_pages) {
-      bytes += 4 * rows * (int64_t{s.params.topk} * config.page_table.pages_per_block + 1);
+    if (s.outputs.block_ids.empty()) bytes += 4 * rows * s.params.topk;
+    if (attn_pages && s.outputs.page_table.empty()) {
+      bytes += 4 * rows * int64_t{s.params.topk} * config.page_table.pages_per_block;
     }
+    if (attn_pages && s.outputs.context_lens.empty()) bytes += 4 * rows;
   }
   return bytes;
 }

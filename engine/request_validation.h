@@ -55,6 +55,7 @@ struct PreparedStep {
   int num_tokens = 0;
   Bf16Rows queries;  // [num_tokens][num_heads][head_dim]
   kernels::SelectParams params;
+  ProvidedOutputs outputs;  // checked to hold the selection's full shape
 
   // Tokens layer `l` of its sequence gains from this step's append.
   int64_t AppendedTo(int l) const {
@@ -75,7 +76,8 @@ inline constexpr int64_t kItemEnvelopeBytes = 32;
 inline constexpr int64_t kMaxLateMessageBytes = 192;
 
 // Bytes of answer a successful step takes: the envelope, its lengths and its results (packed
-// int32), with the page table when the sequence has attention pages.
+// int32), with the page table when the sequence has attention pages; outputs written to
+// provided memory take none.
 int64_t AnswerBytes(const EngineConfig& config, const PreparedStep& step, bool attn_pages);
 
 // Bytes of answer a failed item takes with this status (its message as sent: at most

@@ -8,6 +8,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "engine/config.h"
 #include "engine/wire_values.h"
@@ -29,6 +30,16 @@ struct AppendRequest {
   std::optional<int64_t> num_tokens;
 };
 
+// Caller memory a selection writes its outputs to instead of the OutputSink's (the server
+// points them into a client's shared-memory region). Each span, when non-empty, must hold the
+// output's full shape whatever the sequence's attention pages (int32 [n][H][topk] block ids,
+// [n][H][topk * pages_per_block] page table, [n][H] context lengths): PrepareStep checks it.
+struct ProvidedOutputs {
+  std::span<int32_t> block_ids;
+  std::span<int32_t> page_table;
+  std::span<int32_t> context_lens;
+};
+
 // One step for one sequence: an optional append, then a selection when `queries` is non-empty.
 struct StepRequest {
   absl::string_view sequence_id;
@@ -42,6 +53,10 @@ struct StepRequest {
   absl::string_view tenant = kDefaultTenant;  // the caller's tenant
   // The query tokens the caller says `queries` holds; checked against the byte size when set.
   std::optional<int64_t> num_tokens;
+  ProvidedOutputs outputs;
+  // Not OK when the caller found the item unusable while building it (a tensor reference that
+  // does not resolve): the item fails with this status before any other check, applying nothing.
+  absl::Status refused;
 };
 
 // Where a selection's outputs go, when the caller provides them (the server points them into

@@ -258,6 +258,11 @@ void Wave::PrepareSelect(Step& s) {
     shape.page_table = shape.block_ids * core_.config.page_table.pages_per_block;
     shape.context_lens = rows;
   }
+  // Outputs with provided memory go there; the sink (or the result) holds the others.
+  const ProvidedOutputs& given = r.outputs;
+  if (!given.block_ids.empty()) shape.block_ids = 0;
+  if (!given.page_table.empty()) shape.page_table = 0;
+  if (!given.context_lens.empty()) shape.context_lens = 0;
   SelectOutputs out;
   if (call_.sink != nullptr) {
     out = call_.sink->Allocate(r.index, shape);
@@ -268,6 +273,11 @@ void Wave::PrepareSelect(Step& s) {
     out = SelectOutputs{result.block_ids.data(),
                         seq.has_attn_pages ? result.page_table.data() : nullptr,
                         seq.has_attn_pages ? result.context_lens.data() : nullptr};
+  }
+  if (!given.block_ids.empty()) out.block_ids = given.block_ids.data();
+  if (seq.has_attn_pages && !given.page_table.empty()) out.page_table = given.page_table.data();
+  if (seq.has_attn_pages && !given.context_lens.empty()) {
+    out.context_lens = given.context_lens.data();
   }
   s.selects = true;
   s.task.layer = r.layer;

@@ -21,6 +21,12 @@ which --devices=0,1 adds):
              or with unary Batch; on the CPU (B=1 L=1K H=1): indexer p50 <= 2x echo p50 over a
              Unix socket (3x over TCP). Then the server's own breakdown of a step: each phase of
              indexer_step_phase_seconds, in microseconds per call.
+  shm        the transport group's shapes over a Unix socket with BatchStream, with tensors
+             inline and by reference in system shared memory (indexer-bench --shared_memory),
+             against indexer-echo-server answering the same messages (by reference: its
+             control messages alone). Per case: indexer p50 - echo p50 next to the kernel time,
+             and the indexer's p50 by reference against its p50 inline. Target (the GPU's B=256
+             L=8K H=1, system regions): the difference <= kernel + 120 us.
   decode     one whole decode step per Batch call (B sequences, each appending one token and
              selecting top-16 blocks of its L tokens for H heads), one caller, closed loop: step
              latency p50/p99 next to the kernel time. Target: p50 <= kernel time + 60 us. The
@@ -60,7 +66,10 @@ BATCHING_SPEEDUP = 5.0      # unary: on >= 5x off
 ECHO_SHARE = 0.8            # small: >= 80% of echo
 TWO_GPU_SPEEDUP = 1.8       # multigpu: >= 1.8x one GPU
 REWIND = 128                # steps between rewinds to the prefill length
-GROUPS = ("transport", "decode", "unary", "small", "multigpu")
+GROUPS = ("transport", "shm", "decode", "unary", "small", "multigpu")
+SHM_MODES = ("none", "system")
+SHM_CPU_BATCH = [("b64_l1k_h1", 64, 1024, 1, "ratio")]
+SHM_SLACK_US = {"b256_l8k_h1": 120.0}  # shm: system regions, indexer - echo <= kernel + this
 
 # transport: (shape, B, L, H, target). A number: indexer p50 - echo p50 <= kernel + that many us
 # (the GPU cases); "ratio": indexer p50 <= CPU_ECHO_RATIO x echo p50 (the CPU case). The strict
@@ -146,6 +155,24 @@ def transport_cases(shapes):
     return cases
 
 
+def shm_cases(shapes):
+    """Per shape and tensor placement, over a Unix socket with BatchStream: echo, then indexer."""
+    cases = []
+    for shape, b, length, heads, _target in shapes:
+        for mode in SHM_MODES:
+            for server in ("echo", "indexer"):
+                cases.append({
+                    "name": "s_%s_%s_%s" % (shape, mode, server), "group": "shm",
+                    "server": ("echo" if server == "echo" else "main") + "_unix",
+                    "style": "stream", "batch": b, "concurrency": 1, "prefill": length,
+                    "heads": heads, "shape": shape, "shared_memory": mode,
+                    "what": "B=%d L=%s H=%d, BatchStream over a Unix socket, tensors %s, %s" % (
+                        b, kib(length), heads,
+                        "inline" if mode == "none" else "in %s shared memory" % mode,
+                        "echo server" if server == "echo" else "indexer")})
+    return cases
+
+
 def decode_case(name, b, length, heads, server="main"):
     return {"name": name, "group": "decode", "server": server, "style": "batch",
             "batch": b, "concurrency": 1, "prefill": length, "heads": heads,
@@ -180,7 +207,10 @@ def all_cases(quick, multigpu_callers=32, multigpu_connections=None, device="cud
     # The multigpu callers share this many HTTP/2 connections (default one per 4 callers: on one
     # connection gRPC's per-connection work caps the rate below what two GPUs serve).
     conns = multigpu_connections or max(1, multigpu_callers // 4)
-    transport = transport_cases(TRANSPORT_CPU if quick or device == "cpu" else TRANSPORT_GPU)
+    shapes = TRANSPORT_CPU if quick or device == "cpu" else TRANSPORT_GPU
+    # On the CPU a batched step too, where the tensors are most of the message.
+    shm_shapes = shapes + (SHM_CPU_BATCH if device == "cpu" and not quick else [])
+    transport = transport_cases(shapes) + shm_cases(shm_shapes)
     if quick:
         return transport + [
             decode_case("decode_b1_l1k_h1", 1, 1024, 1),
@@ -391,6 +421,8 @@ def run_case(case, target, bins, args, work_dir, reports):
             "--layers=1", "--warmup=%gs" % args.warmup, "--duration=%gs" % args.duration,
             "--timeout=60s", "--wait=30s", "--server_stats", "--progress=off", "--summary=full",
             "--json=%s" % report]
+    if case.get("shared_memory", "none") != "none":
+        argv.append("--shared_memory=%s" % case["shared_memory"])
     log = os.path.join(work_dir, "%s.bench.log" % case["name"])
     t0 = time.time()
     with open(log, "w") as f:
@@ -404,7 +436,7 @@ def run_case(case, target, bins, args, work_dir, reports):
     wall = time.time() - t0
     row = {"case": case["name"], "group": case["group"], "what": case["what"], "wall_s": wall}
     row["style"] = case["style"]
-    for key in ("shape", "transport", "target_kind"):
+    for key in ("shape", "transport", "target_kind", "shared_memory"):
         if key in case:
             row[key] = case[key]
     if rc != 0 or not os.path.exists(report):
@@ -507,6 +539,50 @@ def transport_targets(rows):
         else:
             continue
         r["met"] = r["vs_target"] >= 1.0
+
+
+def shm_targets(rows):
+    """The shm group: each indexer run against the echo run of the same messages, and by
+    reference against inline."""
+    by = {r["case"]: r for r in rows if r.get("status") == "ok"}
+    for r in rows:
+        if r.get("group") != "shm" or r.get("status") != "ok" or not r["case"].endswith("_indexer"):
+            continue
+        echo = by.get(r["case"][:-len("_indexer")] + "_echo")
+        inline = by.get("s_%s_none_indexer" % r["shape"])
+        if inline and inline["p50_us"] > 0:
+            r["x_inline"] = r["p50_us"] / inline["p50_us"]
+        if not echo or echo["p50_us"] <= 0:
+            continue
+        r["echo_p50_us"] = echo["p50_us"]
+        r["diff_us"] = r["p50_us"] - echo["p50_us"]
+        r["x_echo"] = r["p50_us"] / echo["p50_us"]
+        slack = SHM_SLACK_US.get(r["shape"]) if r["shared_memory"] == "system" else None
+        if slack is not None and "kernel_us" in r:
+            r["allowed_us"] = r["kernel_us"] + slack
+            r["target"] = "diff <= kernel + %g us" % slack
+            r["vs_target"] = r["allowed_us"] / r["diff_us"] if r["diff_us"] > 0 else 99.0
+            r["met"] = r["vs_target"] >= 1.0
+
+
+def shm_table(rows):
+    head = ["case", "tensors", "echo p50 us", "indexer p50 us", "indexer - echo us", "x echo",
+            "kernel us", "x inline", "allowed us", "met", "stable"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.get("group") != "shm" or not r["case"].endswith("_indexer"):
+            continue
+        if r.get("status") != "ok" or "echo_p50_us" not in r:
+            note = r.get("note") or "the echo run of this case failed"
+            cells = [r.get("shape", r["case"]), r.get("shared_memory", "?")] + ["-"] * 7 + [
+                r.get("status", "?"), note.replace("|", "/")[:160]]
+        else:
+            cells = [r["shape"], r["shared_memory"], fmt(r["echo_p50_us"]), fmt(r["p50_us"]),
+                     fmt(r["diff_us"]), fmt(r["x_echo"], 2), fmt(r.get("kernel_us")),
+                     fmt(r.get("x_inline"), 2), fmt(r.get("allowed_us")), yes_no(r.get("met")),
+                     "yes" if r.get("stable", True) else "no"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def fmt(v, digits=1):
@@ -745,6 +821,7 @@ def main(argv):
     rows.sort(key=lambda r: [c["name"] for c in cases].index(r["case"]))
     apply_targets(rows)
     transport_targets(rows)
+    shm_targets(rows)
     md = ""
     if any(r["group"] == "transport" for r in rows):
         md += ("## The service path against the gRPC floor\n\n"
@@ -753,7 +830,14 @@ def main(argv):
                "over the measured window); allowed = the target for indexer p50 - echo p50; "
                "ratio to target >= 1 is met; stable = indexer-bench's stability check.\n\n")
         md += transport_table(rows) + "\n"
-    if any(r["group"] != "transport" for r in rows):
+    if any(r["group"] == "shm" for r in rows):
+        md += ("## Tensors inline and by reference\n\n"
+               "BatchStream over a Unix socket, one caller in closed loop; tensors in system "
+               "shared memory are named by reference (keys, queries and outputs), and the echo "
+               "server answers the same messages; x inline = indexer p50 by reference over "
+               "indexer p50 inline.\n\n")
+        md += shm_table(rows) + "\n"
+    if any(r["group"] not in ("transport", "shm") for r in rows):
         md += "## Cases\n\n" + table(rows) + "\n"
     md += ("## The server's breakdown of a call\n\n"
            "Microseconds per decode request, from the server's GetStats over the measured "

@@ -196,9 +196,10 @@ absl::Status IndexerServer::StartMetrics(const ServerOptions& options) {
 void IndexerServer::MakeServices(const ServerOptions& options) {
   executor_ = std::make_unique<RequestExecutor>(HandlerThreads(options), options.handler_spin_us);
   calls_ = std::make_unique<CallTracker>();
+  regions_ = std::make_unique<RegionRegistry>(options.max_regions);
   service_ = std::make_unique<IndexerService>(engine_.get(), executor_.get(), access_.get(),
-                                              metrics_.get(), Version(),
-                                              options.max_message_bytes, calls_.get());
+                                              metrics_.get(), Version(), options.max_message_bytes,
+                                              calls_.get(), regions_.get());
   admin_service_ = std::make_unique<IndexerAdminService>(
       engine_.get(), executor_.get(), access_.get(), options.snapshot_dir, calls_.get());
 }

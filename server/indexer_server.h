@@ -100,6 +100,7 @@ class IndexerServer {
   std::unique_ptr<AccessControl> access_;
   // Before the services and the server: calls end (OnDone) until server_ is gone.
   std::unique_ptr<CallTracker> calls_;
+  std::unique_ptr<RegionRegistry> regions_;  // the clients' shared-memory regions
   std::unique_ptr<IndexerService> service_;
   std::unique_ptr<IndexerAdminService> admin_service_;
   std::unique_ptr<grpc::Server> server_;

@@ -26,6 +26,10 @@ v1::KeyStorage ToProto(kernels::KeyStorage s) {
   return v1::KEY_STORAGE_UNSPECIFIED;
 }
 
+absl::Status NoRegions() {
+  return absl::FailedPreconditionError("this server takes no shared-memory regions");
+}
+
 }  // namespace
 
 template <typename Req, typename Resp, typename Handler>
@@ -54,7 +58,7 @@ grpc::ServerUnaryReactor* IndexerService::Step(StepRpc rpc, Ctx* ctx, const Byte
   if (!admitted) return refused;
   grpc::ServerUnaryReactor* reactor = admitted->reactor;
   absl::StatusOr<std::unique_ptr<StepCall>> call =
-      StepCall::Parse(rpc, engine_, metrics_, admitted->caller, ctx, *req, resp);
+      StepCall::Parse(rpc, StepServices(), admitted->caller, ctx, *req, resp);
   if (!call.ok()) {
     const grpc::Status status = ToGrpcStatus(call.status());
     StepCall::RecordRefused(metrics_, rpc, status, arrived);
@@ -210,6 +214,51 @@ grpc::ServerUnaryReactor* IndexerService::ServerInfo(Ctx* ctx, const Bytes* req,
     out->set_tenant_page_quota(static_cast<uint64_t>(usage.page_quota));
     out->set_tenant_sequences(static_cast<uint64_t>(usage.sequences));
     out->set_tenant_max_sequences(static_cast<uint64_t>(usage.max_sequences));
+    out->set_max_regions(regions_ != nullptr ? static_cast<uint32_t>(regions_->max_per_tenant()) : 0);
+    return grpc::Status::OK;
+  });
+}
+
+grpc::ServerUnaryReactor* IndexerService::RegisterSystemRegion(Ctx* ctx, const Bytes* req,
+                                                               Bytes* resp) {
+  return Defer<v1::RegisterSystemRegionRequest, v1::RegisterSystemRegionResponse>(
+      ctx, "RegisterSystemRegion", req, resp,
+      [this](const Caller& caller, const v1::RegisterSystemRegionRequest& q,
+             v1::RegisterSystemRegionResponse* /*out*/) {
+    if (regions_ == nullptr) return ToGrpcStatus(NoRegions());
+    return ToGrpcStatus(
+        regions_->RegisterSystem(caller.tenant, q.name(), q.key(), q.offset(), q.byte_size()));
+  });
+}
+
+grpc::ServerUnaryReactor* IndexerService::UnregisterRegion(Ctx* ctx, const Bytes* req, Bytes* resp) {
+  return Defer<v1::UnregisterRegionRequest, v1::UnregisterRegionResponse>(
+      ctx, "UnregisterRegion", req, resp,
+      [this](const Caller& caller, const v1::UnregisterRegionRequest& q,
+             v1::UnregisterRegionResponse* out) {
+    if (regions_ == nullptr) return ToGrpcStatus(NoRegions());
+    absl::StatusOr<int> n = regions_->Unregister(caller.tenant, q.name());
+    if (!n.ok()) return ToGrpcStatus(n.status());
+    out->set_unregistered(static_cast<uint32_t>(*n));
+    return grpc::Status::OK;
+  });
+}
+
+grpc::ServerUnaryReactor* IndexerService::ListRegions(Ctx* ctx, const Bytes* req, Bytes* resp) {
+  return Defer<v1::ListRegionsRequest, v1::ListRegionsResponse>(
+      ctx, "ListRegions", req, resp,
+      [this](const Caller& caller, const v1::ListRegionsRequest& q, v1::ListRegionsResponse* out) {
+    if (regions_ == nullptr) return ToGrpcStatus(NoRegions());
+    absl::StatusOr<std::vector<RegionInfo>> list = regions_->List(caller.tenant, q.name());
+    if (!list.ok()) return ToGrpcStatus(list.status());
+    for (const RegionInfo& r : *list) {
+      v1::RegionStatus* status = out->add_regions();
+      status->set_name(r.name);
+      status->set_kind(r.kind);
+      status->set_key(r.key);
+      status->set_offset(r.offset);
+      status->set_byte_size(r.byte_size);
+    }
     return grpc::Status::OK;
   });
 }

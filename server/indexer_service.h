@@ -20,6 +20,7 @@
 #include "server/access_control.h"
 #include "server/call_tracker.h"
 #include "server/metrics.h"
+#include "server/regions/region_registry.h"
 #include "server/request_executor.h"
 #include "server/step_call.h"
 
@@ -37,21 +38,26 @@ using RawIndexerService = v1::Indexer::WithRawCallbackMethod_AppendKeys<
                         v1::Indexer::WithRawCallbackMethod_GetSequence<
                             v1::Indexer::WithRawCallbackMethod_ServerInfo<
                                 v1::Indexer::WithRawCallbackMethod_GetStats<
-                                    v1::Indexer::Service>>>>>>>>>>;
+                                    v1::Indexer::WithRawCallbackMethod_RegisterSystemRegion<
+                                        v1::Indexer::WithRawCallbackMethod_UnregisterRegion<
+                                            v1::Indexer::WithRawCallbackMethod_ListRegions<
+                                                v1::Indexer::Service>>>>>>>>>>>>>;
 
 class IndexerService final : public RawIndexerService {
  public:
-  // `engine`, `executor`, `access`, `metrics` and `tracker` must outlive the service and every
-  // call it serves. `tracker`: where calls are admitted and counted for a graceful shutdown
-  // (IndexerServer's); null for in-process tests that drive the handlers without a gRPC server.
+  // `engine`, `executor`, `access`, `metrics`, `tracker` and `regions` must outlive the service
+  // and every call it serves. `tracker`: where calls are admitted and counted for a graceful
+  // shutdown (IndexerServer's); null for in-process tests that drive the handlers without a gRPC
+  // server. `regions`: the clients' shared-memory regions; null for a server that takes none.
   IndexerService(engine::Engine* engine, RequestExecutor* executor, const AccessControl* access,
                  ServiceMetrics* metrics, std::string version, int64_t max_message_bytes,
-                 CallTracker* tracker = nullptr)
+                 CallTracker* tracker = nullptr, RegionRegistry* regions = nullptr)
       : engine_(engine),
         executor_(executor),
         access_(access),
         metrics_(metrics),
         tracker_(tracker),
+        regions_(regions),
         version_(std::move(version)),
         max_message_bytes_(max_message_bytes) {}
 
@@ -68,6 +74,9 @@ class IndexerService final : public RawIndexerService {
   Unary* GetSequence(Ctx* ctx, const Bytes* req, Bytes* resp) override;
   Unary* GetStats(Ctx* ctx, const Bytes* req, Bytes* resp) override;
   Unary* ServerInfo(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* RegisterSystemRegion(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* UnregisterRegion(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* ListRegions(Ctx* ctx, const Bytes* req, Bytes* resp) override;
 
   // Ends every BatchStream with UNAVAILABLE: idle ones now, busy ones once their answers in
   // progress are written; streams opened later end at once. Called by IndexerServer::Shutdown,
@@ -78,6 +87,7 @@ class IndexerService final : public RawIndexerService {
   friend class BatchStreamReactor;
   void Register(BatchStreamReactor* stream);
   void Unregister(BatchStreamReactor* stream);
+  StepCall::Services StepServices() const { return {engine_, metrics_, regions_}; }
 
   // An append-and-select call: admitted, parsed and run through a StepCall on this thread.
   Unary* Step(StepRpc rpc, Ctx* ctx, const Bytes* req, Bytes* resp);
@@ -91,6 +101,7 @@ class IndexerService final : public RawIndexerService {
   const AccessControl* access_;
   ServiceMetrics* metrics_;
   CallTracker* tracker_;
+  RegionRegistry* regions_;
   std::string version_;
   int64_t max_message_bytes_;
   // Live streams. Recursive: a stream's OnDone (which unregisters it) may run inside

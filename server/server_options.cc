@@ -58,6 +58,10 @@ ABSL_FLAG(int32_t, max_batch_items, 4096, "Most items in one Batch call");
 ABSL_FLAG(int64_t, max_sequences, 65536,
           "Most sequences held at once, every tenant together (0 = no limit); a call that would "
           "create one more fails with RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, max_regions, 64,
+          "Shared-memory regions a tenant may register at once for tensors passed by reference "
+          "(RegisterSystemRegion; 0: the server takes none). Any caller can make the server map "
+          "a shared memory object its user can open: see docs/SECURITY.md");
 ABSL_FLAG(int64_t, tenant_max_sequences, 0,
           "Most sequences one tenant holds at once (0 = no limit but --max_sequences); a call that "
           "would create one more fails with RESOURCE_EXHAUSTED naming tenant_max_sequences");
@@ -260,8 +264,8 @@ const std::vector<FlagSection>& FlagSections() {
        {"batching", "batch_max_tasks", "batch_max_delay_us", "batch_queue_bound",
         "batch_max_inflight", "handler_threads", "handler_spin_us"}},
       {"Security and snapshots (docs/SECURITY.md)",
-       {"tls_cert", "tls_key", "tls_client_ca", "token_file", "tenant_quota", "snapshot_dir",
-        "snapshot_on_shutdown", "restore"}},
+       {"tls_cert", "tls_key", "tls_client_ca", "token_file", "tenant_quota", "max_regions",
+        "snapshot_dir", "snapshot_on_shutdown", "restore"}},
       {"Operations", {"idle_ttl", "drain_seconds", "not_serving_seconds", "log_level"}},
   };
   return sections;
@@ -510,6 +514,10 @@ absl::Status ReadSecurityFlags(ServerOptions& o) {
         "--tls_client_ca needs --tls_cert and --tls_key (mutual TLS is TLS)");
   }
   o.token_file = absl::GetFlag(FLAGS_token_file);
+  o.max_regions = absl::GetFlag(FLAGS_max_regions);
+  if (o.max_regions < 0 || o.max_regions > 4096) {
+    return OutOfRange("max_regions", o.max_regions, "[0, 4096]");
+  }
   const std::string quota = absl::GetFlag(FLAGS_tenant_quota);
   if (quota != "0" && !quota.empty()) {
     absl::StatusOr<int64_t> pages = ParseCapacity(quota, o.engine.BytesPerPage());
@@ -576,7 +584,7 @@ std::string Summary(const ServerOptions& o) {
       "max_sequences=%d tenant_max_sequences=%d batching=%s batch_max_tasks=%d "
       "batch_max_delay_us=%d batch_queue_bound=%d batch_max_inflight=%d handler_threads=%d "
       "handler_spin_us=%d max_message_bytes=%d tls=%s token_file=%s tenant_quota=%d pages "
-      "snapshot_dir=%s "
+      "max_regions=%d snapshot_dir=%s "
       "snapshot_on_shutdown=%s restore=%s metrics_listen=%s idle_ttl=%s",
       o.listen, o.health_listen.empty() ? "off" : o.health_listen, o.device,
       o.devices.empty() ? "all" : absl::StrJoin(o.devices, ","),
@@ -590,7 +598,7 @@ std::string Summary(const ServerOptions& o) {
       e.batching.queue_bound, e.batching.max_inflight, HandlerThreads(o), o.handler_spin_us,
       o.max_message_bytes,
       o.tls_cert.empty() ? "off" : (o.tls_client_ca.empty() ? "on" : "mutual"),
-      o.token_file.empty() ? "none" : o.token_file, o.tenant_quota_pages,
+      o.token_file.empty() ? "none" : o.token_file, o.tenant_quota_pages, o.max_regions,
       o.snapshot_dir.empty() ? "none" : o.snapshot_dir,
       o.snapshot_on_shutdown.empty() ? "none" : o.snapshot_on_shutdown,
       o.restore.empty() ? "none" : o.restore, o.metrics_listen.empty() ? "off" : o.metrics_listen,

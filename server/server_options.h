@@ -35,6 +35,7 @@ struct ServerOptions {
   std::string tls_client_ca;     // PEM CA(s): clients must present a certificate they signed
   std::string token_file;        // bearer tokens -> tenants (AccessControl); empty: no auth
   int64_t tenant_quota_pages = 0;  // default page quota of every tenant (0: none)
+  int max_regions = 64;          // shared-memory regions per tenant (0: none taken)
   std::string snapshot_dir;      // where IndexerAdmin.Snapshot writes
   std::string snapshot_on_shutdown;  // snapshot file written after a graceful shutdown
   std::string restore;           // snapshot file loaded at start

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/status_convert.h"
 #include "server/wire_messages.h"
@@ -114,28 +115,76 @@ const char* StepRpcName(StepRpc rpc) {
   return "?";
 }
 
-StepCall::StepCall(StepRpc rpc, engine::Engine* engine, ServiceMetrics* metrics,
+StepCall::StepCall(StepRpc rpc, const Services& services, const Caller& caller,
                    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& request,
                    grpc::ByteBuffer* answer)
     : rpc_(rpc),
-      engine_(engine),
-      metrics_(metrics),
+      engine_(services.engine),
+      metrics_(services.metrics),
       answer_(answer),
+      tenant_(caller.tenant),
       arrived_(absl::Now()),
       arena_(ArenaFor(request)),
-      control_(ControlOf(ctx)) {}
+      control_(ControlOf(ctx)),
+      regions_(services.regions, tenant_) {}
 
-absl::StatusOr<std::unique_ptr<StepCall>> StepCall::Parse(
-    StepRpc rpc, engine::Engine* engine, ServiceMetrics* metrics, const Caller& caller,
-    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& request, grpc::ByteBuffer* answer) {
-  std::unique_ptr<StepCall> call(new StepCall(rpc, engine, metrics, ctx, request, answer));
-  const absl::Status status = call->Prepare(caller, request);
+absl::StatusOr<std::unique_ptr<StepCall>> StepCall::Parse(StepRpc rpc, const Services& services,
+                                                         const Caller& caller,
+                                                         grpc::CallbackServerContext* ctx,
+                                                         const grpc::ByteBuffer& request,
+                                                         grpc::ByteBuffer* answer) {
+  std::unique_ptr<StepCall> call(new StepCall(rpc, services, caller, ctx, request, answer));
+  const absl::Status status = call->Prepare(request);
   if (!status.ok()) return status;
   return call;
 }
 
-absl::Status StepCall::Prepare(const Caller& caller, const grpc::ByteBuffer& request) {
-  tenant_ = caller.tenant;
+void StepCall::ResolveRefs(size_t item, const v1::SelectBlocksRequest* select,
+                           const v1::AppendKeysRequest* append) {
+  engine::StepRequest& step = items_[item];
+  absl::Status& refused = step.refused;
+  auto input = [&](const v1::RegionRef& ref, absl::string_view inline_bytes, absl::string_view field,
+                   absl::string_view* out) {
+    if (!refused.ok()) return;
+    if (!inline_bytes.empty()) {
+      refused = absl::InvalidArgumentError(
+          absl::StrCat(field, " and its inline bytes are both set; send one of the two"));
+      return;
+    }
+    absl::StatusOr<absl::string_view> bytes = regions_.Input(item, ref, field);
+    if (bytes.ok()) *out = *bytes;
+    else refused = bytes.status();
+  };
+  auto output = [&](const v1::RegionRef& ref, absl::string_view field, std::span<int32_t>* out) {
+    if (!refused.ok()) return;
+    absl::StatusOr<std::span<int32_t>> values = regions_.Output(item, ref, field);
+    if (values.ok()) *out = *values;
+    else refused = values.status();
+  };
+  if (append != nullptr && append->has_keys_ref()) {
+    input(append->keys_ref(), append->keys(), "keys_ref", &step.append->keys);
+  }
+  if (select == nullptr) return;
+  if (select->has_queries_ref()) {
+    input(select->queries_ref(), select->queries(), "queries_ref", &step.queries);
+  }
+  if (!select->has_output_refs()) return;
+  const v1::SelectOutputRefs& refs = select->output_refs();
+  engine::ProvidedOutputs& outputs = step.outputs;
+  if (refs.has_block_ids()) output(refs.block_ids(), "output_refs.block_ids", &outputs.block_ids);
+  if (refs.has_page_table()) output(refs.page_table(), "output_refs.page_table", &outputs.page_table);
+  if (refs.has_context_lens()) {
+    output(refs.context_lens(), "output_refs.context_lens", &outputs.context_lens);
+  }
+}
+
+void StepCall::RefuseConflicts() {
+  for (auto& [item, status] : regions_.Conflicts()) {
+    if (items_[item].refused.ok()) items_[item].refused = std::move(status);
+  }
+}
+
+absl::Status StepCall::Prepare(const grpc::ByteBuffer& request) {
   absl::Status parsed;
   switch (rpc_) {
     case StepRpc::kAppendKeys: {
@@ -147,6 +196,7 @@ absl::Status StepCall::Prepare(const Caller& caller, const grpc::ByteBuffer& req
       step.sequence_id = append_request_->sequence_id();
       step.layer = append_request_->all_layers() ? 0 : append_request_->layer();
       step.append = ToEngine(*append_request_, tenant_);
+      ResolveRefs(0, nullptr, append_request_);
       append_response_ = google::protobuf::Arena::CreateMessage<v1::AppendKeysResponse>(&arena_);
       break;
     }
@@ -154,11 +204,13 @@ absl::Status StepCall::Prepare(const Caller& caller, const grpc::ByteBuffer& req
       select_request_ = google::protobuf::Arena::CreateMessage<v1::SelectBlocksRequest>(&arena_);
       parsed = ParseMessage(request, select_request_);
       if (!parsed.ok()) break;
-      if (select_request_->queries().empty()) {
+      if (select_request_->queries().empty() && !select_request_->has_queries_ref()) {
         parsed = absl::InvalidArgumentError("queries is empty; a selection needs at least one token");
         break;
       }
       items_.push_back(ToEngine(*select_request_, tenant_));
+      ResolveRefs(0, select_request_, select_request_->has_append() ? &select_request_->append()
+                                                                    : nullptr);
       select_response_ = google::protobuf::Arena::CreateMessage<v1::SelectBlocksResponse>(&arena_);
       break;
     }
@@ -170,6 +222,7 @@ absl::Status StepCall::Prepare(const Caller& caller, const grpc::ByteBuffer& req
       items_.reserve(batch_request_->items_size());
       for (const v1::SelectBlocksRequest& item : batch_request_->items()) {
         items_.push_back(ToEngine(item, tenant_));
+        ResolveRefs(items_.size() - 1, &item, item.has_append() ? &item.append() : nullptr);
       }
       batch_response_ = google::protobuf::Arena::CreateMessage<v1::BatchResponse>(&arena_);
       batch_response_->set_request_id(batch_request_->request_id());
@@ -179,6 +232,7 @@ absl::Status StepCall::Prepare(const Caller& caller, const grpc::ByteBuffer& req
       break;
     }
   }
+  if (parsed.ok()) RefuseConflicts();
   parse_ = absl::Now() - arrived_;
   return parsed;
 }

@@ -6,7 +6,9 @@
 //
 // Per call: one arena holds the parsed request and the answer; the engine reads keys and queries
 // in place from the request, and writes selection outputs straight into the answer's bytes (the
-// call is the engine's OutputSink). Only translation happens here: every rule is the engine's.
+// call is the engine's OutputSink). Tensors passed by reference are resolved here to the
+// caller's regions (CallRegions), and an item whose reference does not resolve is handed to the
+// engine already refused. Only translation happens here: every rule is the engine's.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -24,6 +26,8 @@
 #include "indexer/v1/indexer.pb.h"
 #include "server/access_control.h"
 #include "server/metrics.h"
+#include "server/regions/call_regions.h"
+#include "server/regions/region_registry.h"
 
 namespace indexer::server {
 
@@ -40,13 +44,23 @@ class StepCall final : public engine::OutputSink {
   // answer's items carry their own statuses.
   using Done = absl::AnyInvocable<void(grpc::Status status) &&>;
 
+  // What a call needs of the server; everything must outlive the call. `metrics` and `regions`
+  // may be null (no metrics; no regions, so every reference answers NOT_FOUND).
+  struct Services {
+    engine::Engine* engine = nullptr;
+    ServiceMetrics* metrics = nullptr;
+    const RegionRegistry* regions = nullptr;
+  };
+
   // Parses `request` as `rpc`'s message for `caller`: INVALID_ARGUMENT when it does not parse,
   // or a whole-call refusal the engine would give (a SelectBlocks without queries). `ctx` (its
-  // deadline and cancellation), `engine`, `metrics` (may be null) and `answer` must outlive the
-  // call; `request` is not needed once Parse returns.
-  static absl::StatusOr<std::unique_ptr<StepCall>> Parse(
-      StepRpc rpc, engine::Engine* engine, ServiceMetrics* metrics, const Caller& caller,
-      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& request, grpc::ByteBuffer* answer);
+  // deadline and cancellation) and `answer` must outlive the call; `request` is not needed once
+  // Parse returns.
+  static absl::StatusOr<std::unique_ptr<StepCall>> Parse(StepRpc rpc, const Services& services,
+                                                         const Caller& caller,
+                                                         grpc::CallbackServerContext* ctx,
+                                                         const grpc::ByteBuffer& request,
+                                                         grpc::ByteBuffer* answer);
 
   // The call's items (the sequences it names), for callers that order calls.
   const std::vector<engine::StepRequest>& items() const { return items_; }
@@ -66,11 +80,17 @@ class StepCall final : public engine::OutputSink {
   bool KeepLengths(size_t item, std::span<const int64_t> lengths) override;
 
  private:
-  StepCall(StepRpc rpc, engine::Engine* engine, ServiceMetrics* metrics,
+  StepCall(StepRpc rpc, const Services& services, const Caller& caller,
            grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& request,
            grpc::ByteBuffer* answer);
   // Parses the request and builds the engine's items.
-  absl::Status Prepare(const Caller& caller, const grpc::ByteBuffer& request);
+  absl::Status Prepare(const grpc::ByteBuffer& request);
+  // Points item `item`'s tensors given by reference into their regions; the first reference that
+  // does not resolve refuses the item.
+  void ResolveRefs(size_t item, const v1::SelectBlocksRequest* select,
+                   const v1::AppendKeysRequest* append);
+  // Refuses every item whose output reference overlaps another reference of the call.
+  void RefuseConflicts();
   void OnEnd(absl::Status call, std::vector<absl::StatusOr<engine::StepResult>> results);
   // Fills the answer from the results; the call's status.
   grpc::Status Answer(std::vector<absl::StatusOr<engine::StepResult>>& results);
@@ -84,7 +104,7 @@ class StepCall final : public engine::OutputSink {
   ServiceMetrics* const metrics_;
   grpc::ByteBuffer* const answer_;
   Done done_;
-  std::string tenant_;  // the caller's: the items view it
+  const std::string tenant_;  // the caller's: the items and regions_ view it
   const absl::Time arrived_;
   absl::Duration parse_;
   google::protobuf::Arena arena_;
@@ -97,6 +117,7 @@ class StepCall final : public engine::OutputSink {
   v1::BatchResponse* batch_response_ = nullptr;
   std::vector<engine::StepRequest> items_;
   engine::CallControl control_;
+  CallRegions regions_;  // holds the regions the items view until the call is destroyed
 };
 
 }  // namespace indexer::server

@@ -9,7 +9,11 @@
 //                        (several may be in flight), answered at once or on the handler
 //                        threads, and the answers written in the order the requests came
 //   ServerInfo     a shape indexer-bench accepts (--head_dim, --layers, a huge free pool)
-//   other RPCs     an empty OK answer
+//   other RPCs     an empty OK answer (RegisterSystemRegion too: nothing is mapped)
+//
+// Tensors by reference (keys_ref, queries_ref) count by their byte_size, and an output with a
+// reference is left out of the answer, as the real server leaves it: the floor of a
+// by-reference step is its control messages alone.
 //
 // What indexer-bench measures against it is what gRPC, protobuf and the loopback cost by
 // themselves at a given payload size and concurrency; scripts/service_bench.py compares the real
@@ -73,14 +77,16 @@ int WireBytes(v1::ValueDtype dtype) { return dtype == v1::VALUE_DTYPE_FP32 ? 4 :
 int64_t AppendedTokens(const v1::AppendKeysRequest& a, const EchoShape& shape) {
   const int64_t row =
       static_cast<int64_t>(a.all_layers() ? shape.layers : 1) * shape.head_dim * WireBytes(a.dtype());
-  return row > 0 ? static_cast<int64_t>(a.keys().size()) / row : 0;
+  const uint64_t bytes = a.has_keys_ref() ? a.keys_ref().byte_size() : a.keys().size();
+  return row > 0 ? static_cast<int64_t>(bytes) / row : 0;
 }
 
 // Query tokens a selection carries: its queries' bytes over one token's row.
 int64_t QueryTokens(const v1::SelectBlocksRequest& req, const EchoShape& shape) {
   const int heads = std::max<int>(1, static_cast<int>(req.num_heads()));
   const int64_t row = static_cast<int64_t>(heads) * shape.head_dim * WireBytes(req.query_dtype());
-  return static_cast<int64_t>(req.queries().size()) / row;
+  const uint64_t bytes = req.has_queries_ref() ? req.queries_ref().byte_size() : req.queries().size();
+  return static_cast<int64_t>(bytes) / row;
 }
 
 // With --check_num_tokens: num_tokens is set and matches the bytes.
@@ -123,6 +129,8 @@ void Answer(const v1::SelectBlocksRequest& req, const EchoShape& shape,
   resp->set_num_heads(static_cast<uint32_t>(heads));
   resp->set_topk(static_cast<uint32_t>(topk));
   resp->set_start_position(std::max<int64_t>(0, appended - n));
+  PutLengths(appended, shape.layers, resp->mutable_lengths());
+  if (req.output_refs().has_block_ids()) return;  // written into the caller's region
   // Rows of ids 0..topk-1: the size of a real answer (a short sequence's -1 padding is as long).
   std::string* ids = resp->mutable_block_ids();
   ids->resize(static_cast<size_t>(n * heads * topk) * sizeof(int32_t));
@@ -130,7 +138,6 @@ void Answer(const v1::SelectBlocksRequest& req, const EchoShape& shape,
     const int32_t id = static_cast<int32_t>(i % topk);
     std::memcpy(ids->data() + i * sizeof(int32_t), &id, sizeof(int32_t));
   }
-  PutLengths(appended, shape.layers, resp->mutable_lengths());
 }
 
 void Answer(const v1::BatchRequest& req, const EchoShape& shape, v1::BatchResponse* resp) {
@@ -229,6 +236,16 @@ class EchoService final : public v1::Indexer::CallbackService {
                                        const v1::ServerInfoRequest* /*req*/,
                                        v1::ServerInfoResponse* resp) override {
     return Run(ctx, [this, resp] { Answer(shape_, resp); });
+  }
+  grpc::ServerUnaryReactor* RegisterSystemRegion(
+      grpc::CallbackServerContext* ctx, const v1::RegisterSystemRegionRequest* /*req*/,
+      v1::RegisterSystemRegionResponse* /*resp*/) override {
+    return Run(ctx, [] {});
+  }
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                             const v1::UnregisterRegionRequest* /*req*/,
+                                             v1::UnregisterRegionResponse* /*resp*/) override {
+    return Run(ctx, [] {});
   }
   // No metrics: an empty answer (indexer-bench then reports no server figures).
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,

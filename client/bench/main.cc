@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/bench/report.h"
+#include "client/bench/request_region.h"
 #include "client/bench/runner.h"
 #include "client/bench/workload.h"
 #include "client/cpp/flag_args.h"
@@ -92,6 +93,10 @@ ABSL_FLAG(int32_t, stream_inflight, 1,
           "for its own micro-batch of the worker's sequences (sequence slot i in micro-batch "
           "i mod N), as a scheduler overlapping micro-batches does; answers are matched by "
           "request_id and must come back in order");
+ABSL_FLAG(std::string, shared_memory, "none",
+          "Where decode requests' keys, queries and outputs travel: none (inline bytes) or "
+          "system (a POSIX shared memory region per worker, registered on every server, which "
+          "must run on this host; requests carry references, RegisterSystemRegion)");
 ABSL_FLAG(bool, stagger, true,
           "Start each stage's first sequences part-way through their decode steps (uniformly), "
           "so that they end, and their slots are prefilled again, one at a time instead of all "
@@ -234,7 +239,8 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& FlagSection
       {"Workload",
        {"prefill", "prefill_chunk", "decode_steps", "speculative", "accept_rate", "rewind",
         "heads", "topk", "init_blocks", "local_blocks", "layers", "dtype", "attention_pages",
-        "values", "style", "stream_inflight", "batch", "stagger", "trace", "seed"}},
+        "values", "style", "stream_inflight", "shared_memory", "batch", "stagger", "trace",
+        "seed"}},
       {"Load",
        {"concurrency", "rate", "arrivals", "duration", "warmup", "requests", "sequences", "sweep",
         "sweep_max_latency", "sweep_percentile", "sweep_max_error_rate", "stability",
@@ -403,6 +409,13 @@ absl::StatusOr<Plan> PlanFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat("--style: ", style.status().message()));
   w.style = *style;
   w.stream_inflight = absl::GetFlag(FLAGS_stream_inflight);
+  absl::StatusOr<bench::SharedMemory> shared =
+      bench::ParseSharedMemory(absl::GetFlag(FLAGS_shared_memory));
+  if (!shared.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shared_memory: ", shared.status().message()));
+  }
+  w.shared_memory = *shared;
   w.batch = absl::GetFlag(FLAGS_batch);
   w.stagger = absl::GetFlag(FLAGS_stagger);
   if (const std::string trace = absl::GetFlag(FLAGS_trace); !trace.empty()) {
@@ -616,6 +629,17 @@ int main(int argc, char** argv) {
     return UsageError(std::string(st.message()));
   }
   const bench::WorkloadSpec& spec = plan->spec;
+  if (spec.shared_memory == bench::SharedMemory::kSystem) {
+    // Every server must take a region of this host's before any worker relies on one.
+    absl::StatusOr<std::unique_ptr<bench::RequestRegion>> probe = bench::RequestRegion::Create(
+        *connections[0], bench::SlabBytes(spec, shape), 1,
+        client::CallOptions::Timeout(plan->load.timeout));
+    if (!probe.ok()) {
+      std::fprintf(stderr, "indexer-bench: --shared_memory=system: %s\n",
+                   probe.status().ToString().c_str());
+      return kFailed;
+    }
+  }
 
   // A sequence at its longest, times the live sequences, against the pool.
   int max_workers = 0;
@@ -685,6 +709,9 @@ int main(int argc, char** argv) {
            ? absl::StrCat(bench::CallStyleName(spec.style), ", ", spec.stream_inflight,
                           " requests in flight per stream (one micro-batch each)")
            : bench::CallStyleName(spec.style)},
+      {"tensors", spec.shared_memory == bench::SharedMemory::kSystem
+                      ? "by reference (system shared memory)"
+                      : "inline"},
       {"sequences per worker", absl::StrCat(spec.batch)},
       {"seed", absl::StrCat(spec.seed)},
   };

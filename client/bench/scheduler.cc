@@ -1,6 +1,7 @@
 #include "client/bench/scheduler.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 
@@ -73,6 +74,7 @@ struct SimulatedScheduler::PendingItem {
   ValuePool::Slice keys{};
   ValuePool::Slice queries{};
   std::vector<int32_t> new_attn;
+  client::OutputsInMemory outputs;  // where the outputs were asked, by reference
 };
 
 struct SimulatedScheduler::InFlight {
@@ -87,6 +89,19 @@ SimulatedScheduler::SimulatedScheduler(const SchedulerContext& context,
   if (context.spec->style == CallStyle::kStream && context.spec->stream_inflight > 1) {
     pipeline_ = std::make_unique<PipelinedStream>(client);
     group_busy_.assign(static_cast<size_t>(context.spec->stream_inflight), false);
+  }
+  if (context.spec->shared_memory == SharedMemory::kSystem) {
+    // The run checked that the servers take regions; a worker that cannot have one says so and
+    // sends inline.
+    absl::StatusOr<std::unique_ptr<RequestRegion>> region =
+        RequestRegion::Create(client, SlabBytes(*context.spec, *context.shape),
+                              std::max(1, context.spec->stream_inflight), context.call);
+    if (region.ok()) {
+      region_ = *std::move(region);
+    } else {
+      std::fprintf(stderr, "indexer-bench: a worker sends inline: %s\n",
+                   region.status().ToString().c_str());
+    }
   }
 }
 
@@ -211,7 +226,41 @@ v1::SelectBlocksRequest SimulatedScheduler::MakeItem(Slot& slot, int slot_index,
       }
     }
   }
+  if (region_ != nullptr) ByReference(&item, pending);
   return item;
+}
+
+void SimulatedScheduler::ByReference(v1::SelectBlocksRequest* item, PendingItem* pending) {
+  const int64_t rows = int64_t{pending->n} * ctx_.spec->heads;
+  const int64_t ids = rows * ctx_.spec->topk;
+  std::optional<v1::RegionRef> queries = region_->Put(item->queries());
+  std::optional<v1::RegionRef> keys;
+  if (item->has_append()) keys = region_->Put(item->append().keys());
+  std::optional<v1::RegionRef> block_ids = region_->Room(static_cast<size_t>(ids));
+  std::optional<v1::RegionRef> table, lens;
+  if (ctx_.spec->attention_pages) {
+    table = region_->Room(static_cast<size_t>(ids * ctx_.shape->page_table.pages_per_block));
+    lens = region_->Room(static_cast<size_t>(rows));
+  }
+  if (!queries || (item->has_append() && !keys) || !block_ids ||
+      (ctx_.spec->attention_pages && (!table || !lens))) {
+    return;  // SlabBytes bounds every request: not reached
+  }
+  *item->mutable_queries_ref() = *queries;
+  item->clear_queries();
+  if (keys) {
+    *item->mutable_append()->mutable_keys_ref() = *keys;
+    item->mutable_append()->clear_keys();
+  }
+  v1::SelectOutputRefs* outputs = item->mutable_output_refs();
+  *outputs->mutable_block_ids() = *block_ids;
+  pending->outputs.block_ids = region_->At(*block_ids);
+  if (table) {
+    *outputs->mutable_page_table() = *table;
+    *outputs->mutable_context_lens() = *lens;
+    pending->outputs.page_table = region_->At(*table);
+    pending->outputs.context_lens = region_->At(*lens);
+  }
 }
 
 int SimulatedScheduler::Apply(const PendingItem& item, const v1::BatchItemResult& result,
@@ -228,7 +277,7 @@ int SimulatedScheduler::Apply(const PendingItem& item, const v1::BatchItemResult
   *selections += static_cast<int64_t>(item.n) * ctx_.spec->heads;
   if (ctx_.check) {
     const std::string where = absl::StrCat("sequence ", slot.plan.id, " layer ", item.layer, ": ");
-    absl::StatusOr<client::Selection> got = client::ParseSelection(result.result());
+    absl::StatusOr<client::Selection> got = client::ParseSelection(result.result(), item.outputs);
     if (!got.ok()) {
       ctx_.recorder->RecordCheck(0, 0,
                                  absl::StrCat(where, "malformed answer: ", got.status().message()));
@@ -289,6 +338,7 @@ bool SimulatedScheduler::DecodeUnary(DecodeRecord& record) {
   }
   Slot* slot = slots_[cursor_slot_].get();
   if (slot == nullptr || slot->finished) return false;
+  if (region_ != nullptr) region_->Begin(0);  // one call at a time
   PendingItem item;
   const v1::SelectBlocksRequest request =
       MakeItem(*slot, static_cast<int>(cursor_slot_), cursor_layer_, &item);
@@ -316,6 +366,7 @@ std::vector<SimulatedScheduler::PendingItem> SimulatedScheduler::BuildStep(
     int group, v1::BatchRequest* request) {
   const WorkloadSpec& spec = *ctx_.spec;
   request->set_request_id(++request_id_);
+  if (region_ != nullptr) region_->Begin(std::max(group, 0));  // a group's slab is free again
   std::vector<PendingItem> items;
   for (size_t s = 0; s < slots_.size(); ++s) {
     if (slots_[s] == nullptr || slots_[s]->finished) continue;

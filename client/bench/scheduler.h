@@ -15,6 +15,9 @@
 // to N are in flight on the stream (PipelinedStream). The load generator (runner.h) decides when
 // requests start.
 //
+// With --shared_memory=system, each request's keys, queries and outputs are in the worker's
+// RequestRegion and the request carries only references to them.
+//
 // With checking on, it keeps a host copy of every key it appended (HostKeys) and checks every
 // answer against the CPU reference (checker.h).
 //
@@ -33,6 +36,7 @@
 #include "client/bench/checker.h"
 #include "client/bench/pipelined_stream.h"
 #include "client/bench/recorder.h"
+#include "client/bench/request_region.h"
 #include "client/bench/workload.h"
 #include "client/cpp/sharded_client.h"
 
@@ -119,6 +123,9 @@ class SimulatedScheduler {
   std::unique_ptr<Slot> StartSequence(const SequencePlan& plan);
   void Release(Slot& slot);
   v1::SelectBlocksRequest MakeItem(Slot& slot, int slot_index, int layer, PendingItem* pending);
+  // Moves the item's keys and queries into the region and asks its outputs there; the item
+  // stays inline when the slab has no room.
+  void ByReference(v1::SelectBlocksRequest* item, PendingItem* pending);
   // Applies one item's answer to the slot (lengths, host keys) and checks it. Returns the
   // item's status code.
   int Apply(const PendingItem& item, const v1::BatchItemResult& result, int64_t* selections,
@@ -145,6 +152,7 @@ class SimulatedScheduler {
   std::vector<std::unique_ptr<Slot>> slots_;
   std::unique_ptr<client::ShardedBatchStream> stream_;
   std::unique_ptr<PipelinedStream> pipeline_;  // --stream_inflight above 1
+  std::unique_ptr<RequestRegion> region_;      // --shared_memory=system
   std::vector<bool> group_busy_;               // per micro-batch: a request in flight
   std::deque<InFlight> in_flight_;             // oldest first
   int next_group_ = 0;

@@ -211,6 +211,17 @@ std::string LengthDistribution::ToString() const {
   return "";
 }
 
+absl::StatusOr<SharedMemory> ParseSharedMemory(absl::string_view text) {
+  if (text == "none") return SharedMemory::kNone;
+  if (text == "system") return SharedMemory::kSystem;
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", text, "' is not none or system"));
+}
+
+const char* SharedMemoryName(SharedMemory s) {
+  return s == SharedMemory::kSystem ? "system" : "none";
+}
+
 absl::StatusOr<CallStyle> ParseCallStyle(absl::string_view text) {
   if (text == "unary") return CallStyle::kUnary;
   if (text == "batch") return CallStyle::kBatch;

@@ -75,6 +75,12 @@ enum class CallStyle { kUnary, kBatch, kStream };
 absl::StatusOr<CallStyle> ParseCallStyle(absl::string_view text);
 const char* CallStyleName(CallStyle s);
 
+// Where a decode request's keys, queries and outputs travel: inline bytes, or a shared memory
+// region beside the server (RequestRegion).
+enum class SharedMemory { kNone, kSystem };
+absl::StatusOr<SharedMemory> ParseSharedMemory(absl::string_view text);
+const char* SharedMemoryName(SharedMemory s);
+
 enum class ValueKind { kNormal, kInteger };
 absl::StatusOr<ValueKind> ParseValueKind(absl::string_view text);
 const char* ValueKindName(ValueKind v);
@@ -102,6 +108,7 @@ struct WorkloadSpec {
   // sequences (slot i belongs to micro-batch i % stream_inflight).
   int stream_inflight = 1;
   int batch = 8;  // live sequences per worker (one scheduler's decode batch)
+  SharedMemory shared_memory = SharedMemory::kNone;
   // The stage's first sequences start part-way through their decode steps (uniformly), so that
   // they finish, and are replaced by fresh prefills, one at a time instead of all at once.
   bool stagger = true;

@@ -69,6 +69,11 @@ float Bf16BitsToFloat(uint16_t bits) { return kernels::Bf16ToFloat(bits); }
 float RoundToBf16(float f) { return kernels::Bf16ToFloat(kernels::FloatToBf16(f)); }
 
 absl::StatusOr<Selection> ParseSelection(const v1::SelectBlocksResponse& r) {
+  return ParseSelection(r, OutputsInMemory{});
+}
+
+absl::StatusOr<Selection> ParseSelection(const v1::SelectBlocksResponse& r,
+                                         const OutputsInMemory& outputs) {
   Selection s;
   s.num_tokens = static_cast<int>(r.num_tokens());
   s.num_heads = static_cast<int>(r.num_heads());
@@ -77,7 +82,15 @@ absl::StatusOr<Selection> ParseSelection(const v1::SelectBlocksResponse& r) {
   s.pages_per_block = static_cast<int>(r.pages_per_block());
   s.lengths.assign(r.lengths().begin(), r.lengths().end());
   const size_t rows = static_cast<size_t>(s.num_tokens) * s.num_heads;
-  absl::StatusOr<std::vector<int32_t>> ids = UnpackInt32(r.block_ids(), "block_ids");
+  const size_t width = static_cast<size_t>(s.topk) * s.pages_per_block;
+  // Outputs in memory are viewed as the bytes they would have been inline.
+  auto field = [](const int32_t* memory, size_t values, const std::string& inline_bytes) {
+    if (memory == nullptr) return absl::string_view(inline_bytes);
+    return absl::string_view(reinterpret_cast<const char*>(memory), values * sizeof(int32_t));
+  };
+  const bool has_table = s.pages_per_block > 0;  // set only when the sequence has attention pages
+  absl::StatusOr<std::vector<int32_t>> ids =
+      UnpackInt32(field(outputs.block_ids, rows * s.topk, r.block_ids()), "block_ids");
   if (!ids.ok()) return ids.status();
   if (ids->size() != rows * s.topk) {
     return absl::InvalidArgumentError(absl::StrCat("block_ids holds ", ids->size(),
@@ -86,12 +99,15 @@ absl::StatusOr<Selection> ParseSelection(const v1::SelectBlocksResponse& r) {
                                                    rows * s.topk));
   }
   s.block_ids = std::move(*ids);
-  if (!r.page_table().empty() || !r.context_lens().empty()) {
-    absl::StatusOr<std::vector<int32_t>> table = UnpackInt32(r.page_table(), "page_table");
+  const absl::string_view page_table =
+      has_table ? field(outputs.page_table, rows * width, r.page_table()) : r.page_table();
+  const absl::string_view context_lens =
+      has_table ? field(outputs.context_lens, rows, r.context_lens()) : r.context_lens();
+  if (!page_table.empty() || !context_lens.empty()) {
+    absl::StatusOr<std::vector<int32_t>> table = UnpackInt32(page_table, "page_table");
     if (!table.ok()) return table.status();
-    absl::StatusOr<std::vector<int32_t>> lens = UnpackInt32(r.context_lens(), "context_lens");
+    absl::StatusOr<std::vector<int32_t>> lens = UnpackInt32(context_lens, "context_lens");
     if (!lens.ok()) return lens.status();
-    const size_t width = static_cast<size_t>(s.topk) * s.pages_per_block;
     if (table->size() != rows * width || lens->size() != rows) {
       return absl::InvalidArgumentError(absl::StrCat(
           "page_table holds ", table->size(), " and context_lens ", lens->size(),
@@ -197,6 +213,10 @@ absl::Status CheckShapes(const ServerShapes& shapes, const v1::AppendKeysRequest
                                  ? absl::StrCat("[layers ", shapes.layers, "][head_dim ",
                                                 shapes.head_dim, "]")
                                  : absl::StrCat("[head_dim ", shapes.head_dim, "]");
+  if (r.has_keys_ref()) {
+    return CheckRows("keys_ref", r.keys_ref().byte_size(), WireBytes(r.dtype()),
+                     layers * shapes.head_dim, layout, r.has_num_tokens(), r.num_tokens());
+  }
   return CheckRows("keys", r.keys().size(), WireBytes(r.dtype()), layers * shapes.head_dim,
                    layout, r.has_num_tokens(), r.num_tokens());
 }
@@ -207,10 +227,13 @@ absl::Status CheckShapes(const ServerShapes& shapes, const v1::SelectBlocksReque
       return absl::InvalidArgumentError(absl::StrCat("append: ", s.message()));
     }
   }
-  if (r.queries().empty()) return absl::OkStatus();
+  if (r.queries().empty() && !r.has_queries_ref()) return absl::OkStatus();
   const std::string layout = absl::StrCat("[num_heads ", r.num_heads(), "][head_dim ",
                                           shapes.head_dim, "]");
-  return CheckRows("queries", r.queries().size(), WireBytes(r.query_dtype()),
+  const bool by_ref = r.has_queries_ref();
+  return CheckRows(by_ref ? "queries_ref" : "queries",
+                   by_ref ? r.queries_ref().byte_size() : r.queries().size(),
+                   WireBytes(r.query_dtype()),
                    size_t{r.num_heads()} * shapes.head_dim, layout, r.has_num_tokens(),
                    r.num_tokens());
 }
@@ -323,11 +346,9 @@ const std::string& RoutingKey(const v1::BatchRequest& r) {
   }
   return r.items(0).sequence_id();
 }
-const std::string& RoutingKey(const v1::ServerInfoRequest&) {
-  static const std::string kNone;
-  return kNone;
-}
-const std::string& RoutingKey(const v1::GetStatsRequest&) {
+// Calls about no sequence (ServerInfo, GetStats, the region calls).
+template <typename Request>
+const std::string& RoutingKey(const Request&) {
   static const std::string kNone;
   return kNone;
 }
@@ -445,6 +466,34 @@ absl::StatusOr<v1::SnapshotResponse> IndexerClient::Snapshot(absl::string_view n
   const grpc::Status status = admin_stub_->Snapshot(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return response;
+}
+
+absl::Status IndexerClient::RegisterSystemRegion(absl::string_view name, absl::string_view key,
+                                                 uint64_t offset, uint64_t byte_size,
+                                                 const CallOptions& call) {
+  v1::RegisterSystemRegionRequest request;
+  request.set_name(std::string(name));
+  request.set_key(std::string(key));
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  return Call(&v1::Indexer::Stub::RegisterSystemRegion, request, call).status();
+}
+
+absl::StatusOr<uint32_t> IndexerClient::UnregisterRegion(absl::string_view name,
+                                                         const CallOptions& call) {
+  v1::UnregisterRegionRequest request;
+  request.set_name(std::string(name));
+  absl::StatusOr<v1::UnregisterRegionResponse> r =
+      Call(&v1::Indexer::Stub::UnregisterRegion, request, call);
+  if (!r.ok()) return r.status();
+  return r->unregistered();
+}
+
+absl::StatusOr<v1::ListRegionsResponse> IndexerClient::ListRegions(absl::string_view name,
+                                                                   const CallOptions& call) {
+  v1::ListRegionsRequest request;
+  request.set_name(std::string(name));
+  return Call(&v1::Indexer::Stub::ListRegions, request, call);
 }
 
 absl::StatusOr<Selection> IndexerClient::Select(const v1::SelectBlocksRequest& request,

@@ -118,6 +118,17 @@ struct Selection {
 // shape the response declares (which would be a server bug).
 absl::StatusOr<Selection> ParseSelection(const v1::SelectBlocksResponse& response);
 
+// Where a request asked its outputs to be written (SelectBlocksRequest.output_refs), as this
+// process sees that memory: each non-null pointer is read for its output (the shape the
+// response declares) instead of the response's empty field.
+struct OutputsInMemory {
+  const int32_t* block_ids = nullptr;
+  const int32_t* page_table = nullptr;
+  const int32_t* context_lens = nullptr;
+};
+absl::StatusOr<Selection> ParseSelection(const v1::SelectBlocksResponse& response,
+                                         const OutputsInMemory& outputs);
+
 // ---------------------------------------------------------------------------------------------
 // Request builders (pure functions). They only pack; the server validates.
 //
@@ -263,6 +274,17 @@ class IndexerClient {
   // server's snapshot folder. Needs an admin token on servers that check tokens.
   absl::StatusOr<v1::SnapshotResponse> Snapshot(absl::string_view name = "",
                                                 const CallOptions& call = {});
+
+  // Shared-memory regions for tensors by reference (SharedMemoryRegion makes one). The server
+  // must run on this host: it maps the object by its key.
+  absl::Status RegisterSystemRegion(absl::string_view name, absl::string_view key,
+                                    uint64_t offset, uint64_t byte_size,
+                                    const CallOptions& call = {});
+  // "" = every region of the caller's tenant; how many were unregistered.
+  absl::StatusOr<uint32_t> UnregisterRegion(absl::string_view name = "",
+                                            const CallOptions& call = {});
+  absl::StatusOr<v1::ListRegionsResponse> ListRegions(absl::string_view name = "",
+                                                      const CallOptions& call = {});
 
   // SelectBlocks, unpacked.
   absl::StatusOr<Selection> Select(const v1::SelectBlocksRequest& request,

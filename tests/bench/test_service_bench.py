@@ -30,9 +30,11 @@ SCRIPT = os.path.join(SOURCE, "scripts", "service_bench.py")
 TRANSPORT_CASES = ["t_b1_l1k_h1_%s_%s_%s" % (t, style, server)
                    for t in ("unix", "tcp") for style in ("stream", "batch")
                    for server in ("echo", "indexer")]
+SHM_CASES = ["s_b1_l1k_h1_%s_%s" % (mode, server)
+             for mode in ("none", "system") for server in ("echo", "indexer")]
 QUICK_CASES = ["decode_b1_l1k_h1", "decode_b1_l1k_h1_echo", "decode_b8_l2k_h1",
                "decode_b4_l2k_h4", "unary_16_l2k_on", "unary_16_l2k_off", "small_8_l512_indexer",
-               "small_8_l512_echo"] + TRANSPORT_CASES
+               "small_8_l512_echo"] + TRANSPORT_CASES + SHM_CASES
 INDEXER_DECODE = ["decode_b1_l1k_h1", "decode_b8_l2k_h1", "decode_b4_l2k_h4"]
 
 
@@ -101,7 +103,7 @@ class ServiceBenchQuick(unittest.TestCase):
                 self.assertGreater(row["measured_s"], 0.5)
                 # Closed loop: the rate cannot beat concurrency / mean latency (Little's law; a
                 # slow or busy machine only lowers it, so there is no lower bound).
-                clients = {"decode": 1, "unary": 16, "small": 8, "transport": 1}[row["group"]]
+                clients = {"decode": 1, "unary": 16, "small": 8, "transport": 1, "shm": 1}[row["group"]]
                 self.assertLess(row["rate"], 2.0 * clients / (row["mean_us"] * 1e-6))
                 if name.endswith("_echo"):
                     self.assertEqual(row["backend"], "echo")
@@ -136,6 +138,29 @@ class ServiceBenchQuick(unittest.TestCase):
         idx, echo = self.rows["small_8_l512_indexer"], self.rows["small_8_l512_echo"]
         self.assertAlmostEqual(idx["vs_target"], idx["rate"] / echo["rate"] / 0.8)
         self.assertIn("of echo", idx["target"])
+
+    def test_shared_memory_against_inline_and_the_echo_server(self):
+        for mode in ("none", "system"):
+            with self.subTest(mode=mode):
+                name = "s_b1_l1k_h1_%s_indexer" % mode
+                row = self.rows[name]
+                echo = self.rows["s_b1_l1k_h1_%s_echo" % mode]
+                inline = self.rows["s_b1_l1k_h1_none_indexer"]
+                self.assertEqual(row["shared_memory"], mode)
+                self.assertEqual(row["echo_p50_us"], echo["p50_us"])
+                self.assertAlmostEqual(row["diff_us"], row["p50_us"] - echo["p50_us"])
+                self.assertAlmostEqual(row["x_inline"], row["p50_us"] / inline["p50_us"])
+                self.assertEqual(row["errors"], 0)
+                self.assertGreater(row["kernel_us"], 0)
+                report = self.summary["reports"][name]
+                self.assertEqual(report["workload"]["tensors"],
+                                 "inline" if mode == "none"
+                                 else "by reference (system shared memory)")
+                self.assertTrue(report["servers"][0]["target"].startswith("unix:"))
+        with open(os.path.join(self.out, "service_bench.md")) as f:
+            md = f.read()
+        self.assertIn("## Tensors inline and by reference", md)
+        self.assertIn("| b1_l1k_h1 | system |", md)
 
     def test_transport_against_the_echo_server(self):
         for name in TRANSPORT_CASES:

@@ -628,6 +628,47 @@ TEST_F(EngineTest, AbandonedSelectionsFailCancelledAndApplyNothing) {
   EXPECT_EQ(engine_->Get("a")->lengths[0], 205);
 }
 
+// Outputs given memory by the caller go there (the results' vectors stay empty), memory too
+// small for the shape is refused, and an item the caller refused fails with its status,
+// applying nothing.
+TEST_F(EngineTest, ProvidedOutputsAndRefusedItems) {
+  AppendOk("a", 0, 600);
+  const std::string q = Bytes(Keys(2));
+  StepRequest s;
+  s.sequence_id = "a";
+  s.num_heads = 1;
+  s.query_dtype = WireDtype::kBf16;
+  s.queries = q;
+  s.topk = 4;
+  absl::StatusOr<StepResult> inline_result = engine_->Select(s);
+  ASSERT_TRUE(inline_result.ok()) << inline_result.status();
+  ASSERT_EQ(inline_result->block_ids.size(), 8u);
+
+  std::vector<int32_t> memory(9, -7);
+  StepRequest provided = s;
+  provided.outputs.block_ids = memory;
+  absl::StatusOr<StepResult> r = engine_->Select(provided);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->block_ids.empty());
+  EXPECT_EQ(std::vector<int32_t>(memory.begin(), memory.begin() + 8), inline_result->block_ids);
+  EXPECT_EQ(memory[8], -7) << "written past the shape";
+
+  provided.outputs.block_ids = std::span<int32_t>(memory).first(7);
+  EXPECT_STATUS(engine_->Select(provided).status(), kInvalidArgument, "block_ids");
+  provided.outputs = {};
+  provided.outputs.context_lens = std::span<int32_t>(memory).first(1);
+  EXPECT_STATUS(engine_->Select(provided).status(), kInvalidArgument, "context_lens");
+
+  const std::string k = Bytes(Keys(1));
+  StepRequest refused = s;
+  refused.append.emplace();
+  refused.append->dtype = WireDtype::kBf16;
+  refused.append->keys = k;
+  refused.refused = absl::NotFoundError("keys_ref: region \"r\" is not registered");
+  EXPECT_STATUS(engine_->Select(refused).status(), kNotFound, "keys_ref");
+  EXPECT_EQ(engine_->Get("a")->lengths[0], 600) << "a refused item's append was applied";
+}
+
 TEST_F(EngineTest, UnknownSequencesAreNotFound) {
   AppendOk("a", 0, 10);
   EXPECT_STATUS(SelectQueries(*engine_, "nope", Keys(1), {}).status(), kNotFound, "nope");

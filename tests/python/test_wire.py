@@ -9,7 +9,9 @@ stream answers. So these tests see, independently of the real server's own check
   * every method's timeout= reaches the server as the call's deadline, and an unmet one fails;
   * stream answers are matched to their requests, in order, with several in flight;
   * tensors convert as promised: numpy dtypes, and torch tensors through a stand-in object
-    (torch itself is not installed here; the stand-in implements only the calls tensors.py makes).
+    (torch itself is not installed here; the stand-in implements only the calls tensors.py makes);
+  * tensors by reference travel as keys_ref / queries_ref / output_refs with num_tokens, and
+    answers say which outputs went to a region.
 Needs the installed package on PYTHONPATH (ctest -R python_wire).
 """
 import asyncio
@@ -26,7 +28,8 @@ import unittest
 import grpc
 import numpy as np
 
-from indexer_client import (AsyncIndexerClient, IndexerClient, IndexerError, Step, to_bf16_bits,
+from indexer_client import (AsyncIndexerClient, IndexerClient, IndexerError, OutputRefs,
+                            RegionRef, RegionStatus, Step, SystemRegion, TensorRef, to_bf16_bits,
                             to_bf16_bytes)
 from indexer_client._channel import DEFAULT
 from indexer_client._proto import health_pb2, health_pb2_grpc
@@ -39,11 +42,13 @@ fake = None  # the FakeServer, set by setUpModule
 
 
 def selection_for(request, start_position):
-    """An answer shaped by the request: n tokens (num_tokens), H heads, topk 1."""
+    """An answer shaped by the request: n tokens (num_tokens), H heads, topk 1; block_ids left
+    empty when the request names a reference for them, as the server does."""
     n, h = request.num_tokens, request.num_heads
+    written = request.output_refs.HasField("block_ids")
+    block_ids = b"" if written else np.arange(n * h, dtype="<i4").tobytes()
     return pb.SelectBlocksResponse(num_tokens=n, num_heads=h, topk=1, start_position=start_position,
-                                   block_ids=np.arange(n * h, dtype="<i4").tobytes(),
-                                   lengths=[7] * LAYERS)
+                                   block_ids=block_ids, lengths=[7] * LAYERS)
 
 
 class FakeIndexer(pb_grpc.IndexerServicer, pb_grpc.IndexerAdminServicer):
@@ -92,7 +97,8 @@ class FakeIndexer(pb_grpc.IndexerServicer, pb_grpc.IndexerAdminServicer):
     def _batch_answer(self, request, request_id):
         results = []
         for i, item in enumerate(request.items):
-            answer = selection_for(item, request.request_id * 100 + i) if item.queries else \
+            selects = item.queries or item.HasField("queries_ref")
+            answer = selection_for(item, request.request_id * 100 + i) if selects else \
                 pb.SelectBlocksResponse(lengths=[item.append.num_tokens] * LAYERS)
             results.append(pb.BatchItemResult(code=0, result=answer))
         return pb.BatchResponse(request_id=request_id, results=results)
@@ -141,6 +147,19 @@ class FakeIndexer(pb_grpc.IndexerServicer, pb_grpc.IndexerAdminServicer):
     def GetStats(self, request, context):
         self.record("GetStats", request, context)
         return pb.GetStatsResponse()
+
+    def RegisterSystemRegion(self, request, context):
+        self.record("RegisterSystemRegion", request, context)
+        return pb.RegisterSystemRegionResponse()
+
+    def UnregisterRegion(self, request, context):
+        self.record("UnregisterRegion", request, context)
+        return pb.UnregisterRegionResponse(unregistered=3 if not request.name else 1)
+
+    def ListRegions(self, request, context):
+        self.record("ListRegions", request, context)
+        return pb.ListRegionsResponse(regions=[pb.RegionStatus(
+            name=request.name or "r", kind="system", key="/k", offset=8, byte_size=64)])
 
     def Snapshot(self, request, context):
         self.record("Snapshot", request, context)
@@ -289,6 +308,9 @@ class WireTest(unittest.TestCase):
             "GetStats": lambda t: c.get_stats(timeout=t),
             "Snapshot": lambda t: c.snapshot("s", timeout=t),
             "Check": lambda t: c.health(timeout=t),
+            "RegisterSystemRegion": lambda t: c.register_system_region("r", "/k", 8, timeout=t),
+            "UnregisterRegion": lambda t: c.unregister_region("r", timeout=t),
+            "ListRegions": lambda t: c.list_regions(timeout=t),
         }
         check_deadlines(self, calls)
         self.assertEqual(c.snapshot("s").path, "/x/s")
@@ -446,6 +468,10 @@ class AsyncWireTest(unittest.TestCase):
                 "GetStats": lambda t: c.get_stats(timeout=t),
                 "Snapshot": lambda t: c.snapshot("s", timeout=t),
                 "Check": lambda t: c.health(timeout=t),
+                "RegisterSystemRegion": lambda t: c.register_system_region("r", "/k", 8,
+                                                                           timeout=t),
+                "UnregisterRegion": lambda t: c.unregister_region("r", timeout=t),
+                "ListRegions": lambda t: c.list_regions(timeout=t),
             }
             for method, call in calls.items():
                 for timeout, ok in DEADLINES:
@@ -483,6 +509,138 @@ class AsyncWireTest(unittest.TestCase):
             self.assertEqual(caught.exception.code, grpc.StatusCode.INTERNAL)
             await stream.close()
         self.run_async(test)
+
+
+class ReferenceWireTest(unittest.TestCase):
+    """Tensors by reference: what the requests carry, and what the answers say."""
+
+    def setUp(self):
+        fake.servicer.reset()
+        self.client = IndexerClient(fake.target, timeout=30)
+        self.addCleanup(self.client.close)
+        self.region = SystemRegion.create("io", 1 << 16)
+        self.addCleanup(self.region.__exit__)
+
+    def assertRef(self, proto, ref):
+        self.assertEqual((proto.region, proto.offset, proto.byte_size),
+                         (ref.region, ref.offset, ref.byte_size))
+
+    def test_references_carry_num_tokens_and_their_dtype(self):
+        c, region = self.client, self.region
+        keys = region.write(floats(5, HEAD_DIM))
+        every_layer = region.write(floats(2, LAYERS, HEAD_DIM), keys.end, dtype="fp32")
+        c.append_keys("a", keys)
+        c.append_keys("a", every_layer, wire_dtype="bf16")  # the reference's dtype wins
+        one, two = fake.servicer.requests("AppendKeys")
+        for request, ref, n, dtype in ((one, keys, 5, pb.VALUE_DTYPE_BF16),
+                                       (two, every_layer, 2, pb.VALUE_DTYPE_FP32)):
+            self.assertEqual(request.keys, b"", "no inline bytes with a reference")
+            self.assertRef(request.keys_ref, ref)
+            self.assertEqual((request.num_tokens, request.dtype), (n, dtype))
+        self.assertEqual((one.all_layers, two.all_layers), (False, True))
+        self.assertEqual(two.keys_ref.byte_size, 2 * LAYERS * HEAD_DIM * 4)
+
+        queries = region.write(floats(3, 2, HEAD_DIM), every_layer.end)
+        outputs = region.output_refs(queries.end, 3, 2, 1)
+        sel = c.select_blocks("a", queries, keys=keys, outputs=outputs)
+        (request,) = fake.servicer.requests("SelectBlocks")
+        self.assertEqual((request.queries, request.num_tokens, request.num_heads), (b"", 3, 2))
+        self.assertRef(request.queries_ref, queries)
+        self.assertRef(request.append.keys_ref, keys)
+        self.assertRef(request.output_refs.block_ids, outputs.block_ids)
+        self.assertFalse(request.output_refs.HasField("page_table"))
+        self.assertIsNone(sel.block_ids, "the answer's block_ids went to the region")
+        self.assertEqual(sel.written["block_ids"],
+                         TensorRef("io", outputs.block_ids.offset, (3, 2, 1), "int32"))
+        self.assertEqual((sel.num_tokens, sel.num_heads, sel.topk), (3, 2, 1))
+        region.array((3, 2, 1), np.int32, outputs.block_ids.offset)[...] = 5
+        read = sel.read(region)
+        self.assertEqual((read.block_ids.tolist(), read.written), ([[[5]] * 2] * 3, {}))
+        with self.assertRaises(ValueError):
+            sel.read()
+
+    def test_batches_and_streams_mark_each_items_outputs(self):
+        region = self.region
+        queries = region.write(floats(1, 4, HEAD_DIM))
+        outputs = OutputRefs(block_ids=RegionRef("io", 4096, 16))
+        steps = [Step("a", queries=floats(1, 1, HEAD_DIM)),
+                 Step("b", queries=queries, outputs=outputs),
+                 Step("c", keys=region.write(floats(1, HEAD_DIM), 8192))]
+
+        def check(results):
+            self.assertEqual(results[0].block_ids.shape, (1, 1, 1))
+            self.assertEqual(results[0].written, {})
+            self.assertIsNone(results[1].block_ids)
+            self.assertEqual(results[1].written["block_ids"].shape, (1, 4, 1))
+            self.assertEqual(results[2].num_tokens, 0)
+
+        check(self.client.batch(steps))
+        with self.client.open_stream() as stream:
+            check(stream.step(steps))
+
+        async def run():
+            async with AsyncIndexerClient(fake.target, timeout=30) as c:
+                check(await c.batch(steps))
+                check([await c.select_blocks("a", floats(1, 1, HEAD_DIM))] +
+                      [await c.select_blocks("b", queries, outputs=outputs)] +
+                      [(await c.batch(steps[2:]))[0]])
+                async with c.open_stream() as stream:
+                    check(await stream.step(steps))
+        asyncio.run(run())
+        sent = fake.servicer.requests("Batch") + fake.servicer.requests("BatchStream")
+        requests = [r for r in sent if len(r.items) == len(steps)]
+        self.assertEqual(len(requests), 4, "two batches and two streams of every step")
+        for request in requests:
+            a, b, cc = request.items
+            self.assertFalse(a.HasField("output_refs"))
+            self.assertEqual((b.num_tokens, b.num_heads), (1, 4))
+            self.assertEqual(b.output_refs.block_ids.offset, 4096)
+            self.assertEqual((cc.append.num_tokens, cc.append.keys_ref.offset), (1, 8192))
+
+    def test_bad_references_are_refused_before_sending(self):
+        c = self.client
+        cases = [
+            (lambda: c.append_keys("w", TensorRef("io", 0, (2, 64))),
+             "keys has shape (2, 64) ([n][head_dim]) but the server"),
+            (lambda: c.select_blocks("w", TensorRef("io", 0, (1, 2, 64), "fp32")),
+             "queries has shape (1, 2, 64)"),
+            (lambda: c.append_keys("w", TensorRef("io", 0, (2, 2, HEAD_DIM))),
+             f"{LAYERS} layers"),
+            (lambda: c.append_keys("w", TensorRef("io", 0, (2, HEAD_DIM), "int32")),
+             "keys refers to int32 values"),
+            (lambda: c.batch([Step("w", keys=floats(1, HEAD_DIM),
+                                   outputs=OutputRefs(RegionRef("io", 0, 4)))]),
+             "outputs are given but no queries"),
+            (lambda: OutputRefs(block_ids=TensorRef("io", 0, (1,), "int32")),
+             "give a RegionRef"),
+            (lambda: TensorRef("io", 0, (1,), "fp16"), "dtype is 'fp16'"),
+        ]
+        for call, words in cases:
+            with self.assertRaises((ValueError, TypeError)) as caught:
+                call()
+            self.assertIn(words, str(caught.exception))
+        sent = {m for m, _, _, _ in fake.servicer.calls}
+        self.assertEqual(sent, {"ServerInfo"}, "nothing but ServerInfo may have been sent")
+
+    def test_region_calls(self):
+        c = self.client
+        self.assertIsNone(c.register_system_region("r", "/k", 64, offset=8))
+        self.assertEqual(c.unregister_region("r"), 1)
+        self.assertEqual(c.unregister_region(), 3)
+        self.assertEqual(c.list_regions("q"), [RegionStatus("q", "system", "/k", 8, 64)])
+        (register,) = fake.servicer.requests("RegisterSystemRegion")
+        self.assertEqual((register.name, register.key, register.offset, register.byte_size),
+                         ("r", "/k", 8, 64))
+        self.assertEqual([r.name for r in fake.servicer.requests("UnregisterRegion")], ["r", ""])
+
+        async def run():
+            async with AsyncIndexerClient(fake.target, timeout=30) as a:
+                await a.register_system_region("r2", "/k2", 16)
+                self.assertEqual(await a.unregister_region(), 3)
+                self.assertEqual(await a.list_regions(),
+                                 [RegionStatus("r", "system", "/k", 8, 64)])
+        asyncio.run(run())
+        self.assertEqual(fake.servicer.requests("RegisterSystemRegion")[1].offset, 0)
 
 
 class FakeTorch:

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from indexer_client._stubs import health_modules, pb, pb_grpc
-from indexer_client.results import (AppendResult, ForkResult, ReleaseResult, SequenceInfo,
-                                    ServerInfo, SnapshotResult, TruncateResult)
+from indexer_client.results import (AppendResult, ForkResult, RegionStatus, ReleaseResult,
+                                    SequenceInfo, ServerInfo, SnapshotResult, TruncateResult)
 from indexer_client.selection import Selection
-from indexer_client.steps import Shapes, Step, append_request, batch_request, batch_results
+from indexer_client.steps import (Shapes, Step, append_request, batch_outputs, batch_request,
+                                  batch_results, output_refs)
 
 INDEXER, ADMIN, HEALTH = "indexer", "admin", "health"
 
@@ -31,13 +32,33 @@ def append_keys(sequence_id: str, keys, layer: int, all_layers: Optional[bool],
 
 def select_blocks(sequence_id: str, queries, step: dict, shapes: Optional[Shapes]) -> Call:
     request = Step(sequence_id, queries=queries, **step).to_proto(shapes)
-    return Call(INDEXER, "SelectBlocks", request, Selection.from_proto)
+    refs = output_refs(request)
+    return Call(INDEXER, "SelectBlocks", request,
+                lambda response: Selection.from_proto(response, refs))
 
 
 def batch(steps: Iterable[Step], request_id: int, return_exceptions: bool,
           shapes: Optional[Shapes]) -> Call:
-    return Call(INDEXER, "Batch", batch_request(steps, request_id, shapes),
-                lambda response: batch_results(response, return_exceptions))
+    request = batch_request(steps, request_id, shapes)
+    outputs = batch_outputs(request)
+    return Call(INDEXER, "Batch", request,
+                lambda response: batch_results(response, return_exceptions, outputs))
+
+
+def register_system_region(name: str, key: str, byte_size: int, offset: int) -> Call:
+    request = pb.RegisterSystemRegionRequest(name=name, key=key, offset=offset,
+                                             byte_size=byte_size)
+    return Call(INDEXER, "RegisterSystemRegion", request, lambda response: None)
+
+
+def unregister_region(name: str) -> Call:
+    return Call(INDEXER, "UnregisterRegion", pb.UnregisterRegionRequest(name=name),
+                lambda response: response.unregistered)
+
+
+def list_regions(name: str) -> Call:
+    return Call(INDEXER, "ListRegions", pb.ListRegionsRequest(name=name),
+                lambda response: [RegionStatus.from_proto(r) for r in response.regions])
 
 
 def release(sequence_id: str) -> Call:

@@ -16,10 +16,10 @@ import grpc.aio
 from indexer_client import _rpc
 from indexer_client._channel import DEFAULT, channel_settings
 from indexer_client.errors import IndexerError
-from indexer_client.results import (AppendResult, ForkResult, ReleaseResult, SequenceInfo,
-                                    ServerInfo, SnapshotResult, TruncateResult)
+from indexer_client.results import (AppendResult, ForkResult, RegionStatus, ReleaseResult,
+                                    SequenceInfo, ServerInfo, SnapshotResult, TruncateResult)
 from indexer_client.selection import Selection
-from indexer_client.steps import Shapes, Step, batch_request, batch_results
+from indexer_client.steps import Shapes, Step, batch_outputs, batch_request, batch_results
 
 
 class AsyncIndexerClient:
@@ -84,6 +84,19 @@ class AsyncIndexerClient:
         """IndexerClient.batch."""
         call = _rpc.batch(steps, request_id, return_exceptions, await self.shapes(timeout))
         return await self._run(call, timeout)
+
+    async def register_system_region(self, name: str, key: str, byte_size: int,
+                                     offset: int = 0, *, timeout=DEFAULT) -> None:
+        """IndexerClient.register_system_region."""
+        await self._run(_rpc.register_system_region(name, key, byte_size, offset), timeout)
+
+    async def unregister_region(self, name: str = "", *, timeout=DEFAULT) -> int:
+        """IndexerClient.unregister_region."""
+        return await self._run(_rpc.unregister_region(name), timeout)
+
+    async def list_regions(self, name: str = "", *, timeout=DEFAULT) -> List[RegionStatus]:
+        """IndexerClient.list_regions."""
+        return await self._run(_rpc.list_regions(name), timeout)
 
     def open_stream(self, *, timeout: Optional[float] = None,
                     max_in_flight: Optional[int] = None) -> "AsyncBatchStream":
@@ -152,6 +165,7 @@ class _Pending:
     request_id: int
     future: asyncio.Future
     return_exceptions: bool
+    outputs: List  # batch_outputs() of the request
 
 
 class AsyncBatchStream:
@@ -196,7 +210,8 @@ class AsyncBatchStream:
                                                   "the stream is closed")
             request.request_id = self._next_id
             self._next_id += 1
-            self._pending.append(_Pending(request.request_id, future, return_exceptions))
+            self._pending.append(_Pending(request.request_id, future, return_exceptions,
+                                          batch_outputs(request)))
             try:
                 await self._call.write(request)
             except (grpc.RpcError, asyncio.InvalidStateError):
@@ -257,7 +272,8 @@ class AsyncBatchStream:
                     self._call.cancel()
                     break
                 try:
-                    _settle(pending.future, batch_results(response, pending.return_exceptions))
+                    _settle(pending.future, batch_results(response, pending.return_exceptions,
+                                                          pending.outputs))
                 except Exception as e:  # an item's IndexerError, or an answer that does not parse
                     _settle(pending.future, error=e)
                 self._release_slot()

@@ -7,17 +7,21 @@ is sent, their shapes are checked against the server's head_dim and layers (lear
 ServerInfo on first use): a mismatch raises ValueError and sends nothing. Failed calls raise
 IndexerError with the gRPC status code and the server's message.
 
+A caller on the server's host may pass tensors by reference instead: register a shared-memory
+region (register_system_region; shared_memory.SystemRegion makes one), then give TensorRefs
+where arrays are taken and OutputRefs as a step's outputs= (refs.py).
+
 A client may be shared by threads. AsyncIndexerClient (aio.py) is the same client for asyncio.
 """
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 import grpc
 
 from indexer_client import _rpc
 from indexer_client._channel import DEFAULT, channel_settings
 from indexer_client.errors import IndexerError
-from indexer_client.results import (AppendResult, ForkResult, ReleaseResult, SequenceInfo,
-                                    ServerInfo, SnapshotResult, TruncateResult)
+from indexer_client.results import (AppendResult, ForkResult, RegionStatus, ReleaseResult,
+                                    SequenceInfo, ServerInfo, SnapshotResult, TruncateResult)
 from indexer_client.selection import Selection
 from indexer_client.steps import Shapes, Step
 from indexer_client.stream import BatchStream
@@ -85,19 +89,20 @@ class IndexerClient:
     def append_keys(self, sequence_id: str, keys, layer: int = 0,
                     all_layers: Optional[bool] = None, attention_pages: Sequence[int] = (),
                     wire_dtype: str = "bf16", *, timeout=DEFAULT) -> AppendResult:
-        """Appends keys ([n][head_dim], or [n][layers][head_dim] for every layer), creating the
-        sequence on its first append. ValueError, before sending, when the shape is not the
-        server's."""
+        """Appends keys ([n][head_dim], or [n][layers][head_dim] for every layer; an array or a
+        TensorRef), creating the sequence on its first append. ValueError, before sending, when
+        the shape is not the server's."""
         call = _rpc.append_keys(sequence_id, keys, layer, all_layers, attention_pages,
                                 wire_dtype, self.shapes(timeout))
         return self._run(call, timeout)
 
     def select_blocks(self, sequence_id: str, queries, *, timeout=DEFAULT, **step) -> Selection:
-        """Selects blocks for queries [n][H][head_dim] (or [H][head_dim]) of one sequence.
+        """Selects blocks for queries [n][H][head_dim] (or [H][head_dim]; an array or a
+        TensorRef) of one sequence.
 
         Keyword arguments are Step's: layer, keys (appended first, atomically), append_layer,
         all_layers, attention_pages, start_position, topk, init_blocks, local_blocks,
-        wire_dtype.
+        wire_dtype, outputs (OutputRefs: the outputs go to regions; see Selection.written).
         """
         return self._run(_rpc.select_blocks(sequence_id, queries, step, self.shapes(timeout)),
                          timeout)
@@ -111,6 +116,24 @@ class IndexerClient:
         """
         call = _rpc.batch(steps, request_id, return_exceptions, self.shapes(timeout))
         return self._run(call, timeout)
+
+    def register_system_region(self, name: str, key: str, byte_size: int, offset: int = 0, *,
+                               timeout=DEFAULT) -> None:
+        """Registers `byte_size` bytes at `offset` of the POSIX shared memory object `key`
+        ("/name", SystemRegion.key) as the caller's region `name`, which references then name.
+        The server maps it read-write until it is unregistered; the object must keep at least
+        that size meanwhile. ALREADY_EXISTS for a name taken, NOT_FOUND for no such object,
+        INVALID_ARGUMENT for a range outside it."""
+        self._run(_rpc.register_system_region(name, key, byte_size, offset), timeout)
+
+    def unregister_region(self, name: str = "", *, timeout=DEFAULT) -> int:
+        """Unregisters the caller's region `name` ("" = all of them); how many were. NOT_FOUND
+        for a name not registered. Calls already running keep the memory they name."""
+        return self._run(_rpc.unregister_region(name), timeout)
+
+    def list_regions(self, name: str = "", *, timeout=DEFAULT) -> List[RegionStatus]:
+        """The caller's regions by name (only `name`'s when given; NOT_FOUND if unknown)."""
+        return self._run(_rpc.list_regions(name), timeout)
 
     def open_stream(self, *, timeout: Optional[float] = None,
                     max_in_flight: Optional[int] = None) -> BatchStream:

@@ -91,7 +91,8 @@ class SequenceInfo:
 class ServerInfo:
     """ServerInfo: the server's configuration, defaults, limits, capacity and use (pages), and
     the caller's tenant (its pages and sequences, with their limits; 0: none). key_storage is
-    "bf16", "fp8_e4m3" or "fp4_e2m1"."""
+    "bf16", "fp8_e4m3" or "fp4_e2m1". max_regions: the shared-memory regions a tenant may
+    register at once (0: the server takes none)."""
 
     version: str
     backend: str
@@ -121,12 +122,29 @@ class ServerInfo:
     max_batch_items: int
     tenant_sequences: int
     tenant_max_sequences: int
+    max_regions: int
 
     @classmethod
     def from_proto(cls, r) -> "ServerInfo":
         values = {f.name: getattr(r, f.name) for f in fields(cls)}
         values["key_storage"] = _KEY_STORAGE.get(r.key_storage, str(r.key_storage))
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class RegionStatus:
+    """ListRegions: one of the caller's registered regions, `byte_size` bytes at `offset` of the
+    object `key`; kind is "system" (POSIX shared memory)."""
+
+    name: str
+    kind: str
+    key: str
+    offset: int
+    byte_size: int
+
+    @classmethod
+    def from_proto(cls, r) -> "RegionStatus":
+        return cls(r.name, r.kind, r.key, r.offset, r.byte_size)
 
 
 @dataclass(frozen=True)

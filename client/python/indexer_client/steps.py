@@ -5,14 +5,22 @@ byte size: keys of the wrong head_dim would be read as a different number of tok
 request built here carries num_tokens (the server compares it with the byte size), and, given
 the server's Shapes, the arrays are checked against its head_dim (and layers, for all-layer
 appends) first: a mismatch raises ValueError saying what is wrong, and nothing is sent.
+
+Keys and queries may also be TensorRefs (refs.py): tensors already in a registered region,
+checked by their shape exactly as arrays are and sent as keys_ref / queries_ref, with num_tokens
+from their shape. A step's outputs may go to regions too (Step.outputs).
 """
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from indexer_client._stubs import pb
 from indexer_client.errors import IndexerError
+from indexer_client.refs import OutputRefs, TensorRef
 from indexer_client.selection import Selection
 from indexer_client.tensors import WireValues, wire_values
+
+# What the shape checks see: an array's values, or a reference's shape.
+Tensor = Union[WireValues, TensorRef]
 
 
 @dataclass(frozen=True)
@@ -35,9 +43,28 @@ def _pack(values: WireValues, wire_dtype: str) -> Tuple[int, bytes]:
     raise ValueError(f"wire_dtype is {wire_dtype!r}; it must be 'bf16' or 'fp32'")
 
 
+def _set_tensor(request, field: str, dtype_field: str, values: Tensor, wire_dtype: str) -> None:
+    """Puts `values` into request.<field> as bytes, or a TensorRef into <field>_ref, with its
+    dtype."""
+    if isinstance(values, TensorRef):
+        setattr(request, dtype_field, values.value_dtype(field))
+        getattr(request, field + "_ref").CopyFrom(values.ref.to_proto())
+        return
+    dtype, data = _pack(values, wire_dtype)
+    setattr(request, dtype_field, dtype)
+    setattr(request, field, data)
+
+
+def _tensor(tensor, what: str) -> Tensor:
+    if isinstance(tensor, TensorRef):
+        tensor.value_dtype(what)  # ValueError for int32 references
+        return tensor
+    return wire_values(tensor, what)
+
+
 def _checked_keys(keys, all_layers: Optional[bool],
-                  shapes: Optional[Shapes]) -> Tuple[WireValues, bool]:
-    values = wire_values(keys, "keys")
+                  shapes: Optional[Shapes]) -> Tuple[Tensor, bool]:
+    values = _tensor(keys, "keys")
     if all_layers is None:
         all_layers = values.ndim == 3
     if not all_layers and values.ndim == 1:  # one token's key
@@ -61,8 +88,8 @@ def _checked_keys(keys, all_layers: Optional[bool],
     return values, all_layers
 
 
-def _checked_queries(queries, shapes: Optional[Shapes]) -> WireValues:
-    values = wire_values(queries, "queries")
+def _checked_queries(queries, shapes: Optional[Shapes]) -> Tensor:
+    values = _tensor(queries, "queries")
     if values.ndim == 2:  # one token's queries, [H][head_dim]
         values = values.reshape((1,) + values.shape)
     if values.ndim != 3:
@@ -84,15 +111,16 @@ def append_request(sequence_id: str, keys, layer: int = 0, all_layers: Optional[
     """Builds an AppendKeysRequest, num_tokens set.
 
     keys: [n][head_dim] (or [head_dim] for one token) for one layer, or [n][layers][head_dim]
-    for every layer (all_layers defaults to keys.ndim == 3). attention_pages: one id per block
-    this append opens, for sequences with attention pages. With `shapes`, keys are checked
-    against the server's head_dim and layers (ValueError).
+    for every layer (all_layers defaults to keys.ndim == 3), as an array or a TensorRef.
+    attention_pages: one id per block this append opens, for sequences with attention pages.
+    With `shapes`, keys are checked against the server's head_dim and layers (ValueError).
     """
     values, all_layers = _checked_keys(keys, all_layers, shapes)
-    dtype, data = _pack(values, wire_dtype)
-    return pb.AppendKeysRequest(sequence_id=sequence_id, layer=layer, all_layers=all_layers,
-                                dtype=dtype, keys=data, attention_pages=list(attention_pages),
-                                num_tokens=values.shape[0])
+    request = pb.AppendKeysRequest(sequence_id=sequence_id, layer=layer, all_layers=all_layers,
+                                   attention_pages=list(attention_pages),
+                                   num_tokens=values.shape[0])
+    _set_tensor(request, "keys", "dtype", values, wire_dtype)
+    return request
 
 
 @dataclass
@@ -101,8 +129,11 @@ class Step:
 
     queries: [n][H][head_dim], or [H][head_dim] for one token. keys: as in append_request; they
     go to `layer` unless append_layer says otherwise (or they hold all layers). Both may be
-    numpy arrays or torch tensors (tensors.py). start_position defaults to length - n (the span
-    ends at the last appended token); topk, init_blocks and local_blocks default to the server's.
+    numpy arrays or torch tensors (tensors.py), or TensorRefs into registered regions (refs.py;
+    wire_dtype converts arrays only). start_position defaults to length - n (the span ends at
+    the last appended token); topk, init_blocks and local_blocks default to the server's.
+    outputs: OutputRefs naming where the selection's outputs are written instead of answered;
+    the Selection then says which were written (Selection.written, Selection.read).
     """
 
     sequence_id: str
@@ -117,6 +148,7 @@ class Step:
     init_blocks: Optional[int] = None
     local_blocks: Optional[int] = None
     wire_dtype: str = "bf16"
+    outputs: Optional[OutputRefs] = None
 
     def to_proto(self, shapes: Optional[Shapes] = None):
         """The SelectBlocksRequest for this step (num_tokens set on it and on its append);
@@ -129,7 +161,12 @@ class Step:
         if self.queries is not None:
             q = _checked_queries(self.queries, shapes)
             r.num_tokens, r.num_heads = q.shape[0], q.shape[1]
-            r.query_dtype, r.queries = _pack(q, self.wire_dtype)
+            _set_tensor(r, "queries", "query_dtype", q, self.wire_dtype)
+        if self.outputs is not None:
+            if self.queries is None:
+                raise ValueError("outputs are given but no queries: a step without queries "
+                                 "selects nothing")
+            r.output_refs.CopyFrom(self.outputs.to_proto())
         for field in ("start_position", "topk", "init_blocks", "local_blocks"):
             if getattr(self, field) is not None:
                 setattr(r, field, getattr(self, field))
@@ -147,13 +184,25 @@ def batch_request(steps: Iterable[Step], request_id: int, shapes: Optional[Shape
     return pb.BatchRequest(request_id=request_id, items=items)
 
 
-def batch_results(response, return_exceptions: bool) -> List:
+def output_refs(request) -> Optional[object]:
+    """The SelectOutputRefs of a SelectBlocksRequest, or None when it has none."""
+    return request.output_refs if request.HasField("output_refs") else None
+
+
+def batch_outputs(request) -> List[Optional[object]]:
+    """output_refs of each item of a BatchRequest, for batch_results."""
+    return [output_refs(item) for item in request.items]
+
+
+def batch_results(response, return_exceptions: bool, outputs: Sequence = ()) -> List:
     """One Selection per item of a BatchResponse; a failed item raises its IndexerError (with
-    .index), or with return_exceptions stands in its place."""
+    .index), or with return_exceptions stands in its place. outputs: batch_outputs() of the
+    request, so that each Selection says which of its outputs went to regions."""
     results = []
     for i, item in enumerate(response.results):
         if item.code == 0:
-            results.append(Selection.from_proto(item.result))
+            refs = outputs[i] if i < len(outputs) else None
+            results.append(Selection.from_proto(item.result, refs))
             continue
         error = IndexerError.from_item(item.code, item.message, i)
         if not return_exceptions:

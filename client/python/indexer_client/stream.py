@@ -17,7 +17,7 @@ from typing import Callable, Iterable, List, Optional
 import grpc
 
 from indexer_client.errors import IndexerError
-from indexer_client.steps import Shapes, Step, batch_request, batch_results
+from indexer_client.steps import Shapes, Step, batch_outputs, batch_request, batch_results
 
 
 @dataclass
@@ -25,10 +25,12 @@ class _Pending:
     request_id: int
     future: concurrent.futures.Future
     return_exceptions: bool
+    outputs: List  # batch_outputs() of the request
 
     def finish(self, response) -> None:
         try:
-            self.future.set_result(batch_results(response, self.return_exceptions))
+            self.future.set_result(batch_results(response, self.return_exceptions,
+                                                 self.outputs))
         except Exception as e:  # an item's IndexerError, or an answer that does not parse
             self.future.set_exception(e)
 
@@ -86,7 +88,8 @@ class BatchStream:
                                                   "the stream is closed")
             request.request_id = self._next_id
             self._next_id += 1
-            self._pending.append(_Pending(request.request_id, future, return_exceptions))
+            self._pending.append(_Pending(request.request_id, future, return_exceptions,
+                                          batch_outputs(request)))
             self._requests.append(request)
             self._wake.notify()
         return future

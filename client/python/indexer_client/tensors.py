@@ -36,15 +36,25 @@ class WireValues:
     def reshape(self, shape) -> "WireValues":
         return WireValues(self.array.reshape(shape), self.bf16_bits)
 
+    def packed(self, wire_dtype: str) -> np.ndarray:
+        """The values as the wire holds them, a contiguous little-endian array: for "bf16" the
+        bits as given or float32 rounded to nearest even (uint16), for "fp32" float32 (bf16
+        bits widen exactly)."""
+        if wire_dtype == "bf16":
+            bits = self.array if self.bf16_bits else to_bf16_bits(self.array)
+            return np.ascontiguousarray(bits, dtype="<u2")
+        if wire_dtype == "fp32":
+            values = from_bf16_bits(self.array) if self.bf16_bits else self.array
+            return np.ascontiguousarray(values, dtype="<f4")
+        raise ValueError(f"wire_dtype is {wire_dtype!r}; it must be 'bf16' or 'fp32'")
+
     def bf16_bytes(self) -> bytes:
         """Little-endian bf16, row-major: the bits as given, or float32 rounded to nearest even."""
-        bits = self.array if self.bf16_bits else to_bf16_bits(self.array)
-        return np.ascontiguousarray(bits, dtype="<u2").tobytes()
+        return self.packed("bf16").tobytes()
 
     def fp32_bytes(self) -> bytes:
         """Little-endian float32, row-major (bf16 bits widen exactly)."""
-        values = from_bf16_bits(self.array) if self.bf16_bits else self.array
-        return np.ascontiguousarray(values, dtype="<f4").tobytes()
+        return self.packed("fp32").tobytes()
 
 
 def wire_values(tensor, what: str) -> WireValues:

@@ -34,6 +34,7 @@ namespace {
 using google::protobuf::Struct;
 using google::protobuf::Value;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 using indexer::testing::ReadFile;
 
@@ -538,6 +539,34 @@ TEST_F(BenchBinaryTest, PipelinedStreamsAnswerInOrder) {
   EXPECT_GT(N(S(st, "requests"), "ok"), 20);
   EXPECT_EQ(RunBench(Small({"--style=batch", "--stream_inflight=2"})).code, 2);
   EXPECT_EQ(RunBench(Small({"--style=stream", "--stream_inflight=4", "--batch=3"})).code, 2);
+  ExpectAllReleased();
+}
+
+// Tensors by reference in system shared memory, over two servers and every call style (three
+// requests in flight per stream): every answer, page tables included, read back from the
+// worker's region and exact.
+TEST_F(BenchBinaryTest, SharedMemoryAnswersAreExact) {
+  for (const std::vector<std::string>& style :
+       std::vector<std::vector<std::string>>{{"--style=stream", "--stream_inflight=3"},
+                                             {"--style=batch"},
+                                             {"--style=unary"}}) {
+    SCOPED_TRACE(style[0]);
+    const std::string json = ::testing::TempDir() + "/shared_memory.json";
+    std::vector<std::string> args = {"--shared_memory=system", "--attention_pages",
+                                     "--speculative=2", "--accept_rate=0.5", "--concurrency=2",
+                                     "--duration=800ms", "--warmup=100ms", "--json=" + json};
+    args.insert(args.end(), style.begin(), style.end());
+    BenchRun r = RunBench(Small(args));
+    ASSERT_EQ(r.code, 0) << r.out << r.err;
+    EXPECT_THAT(r.err, Not(HasSubstr("sends inline")));
+    const Struct report = ParseJson(ReadFile(json));
+    EXPECT_EQ(F(S(report, "workload"), "tensors").string_value(),
+              "by reference (system shared memory)");
+    CheckedStage(report, 0);
+  }
+  BenchRun bad = RunBench(Small({"--shared_memory=gpu"}));
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--shared_memory"));
   ExpectAllReleased();
 }
 

@@ -27,13 +27,14 @@ except ImportError as e:
     sys.exit(f"test_client.py: {sys.executable} cannot import {e.name!r} ({e}). Run scripts/setup.sh, "
              "which installs Debian's python3-grpcio, python3-numpy and python3-protobuf.")
 try:
-    from indexer_client import (AppendResult, ForkResult, IndexerClient, IndexerError,
+    from indexer_client import (AppendResult, ForkResult, IndexerClient,
                                 ReleaseResult, Selection, SequenceInfo, ServerInfo, Step,
                                 TruncateResult, from_bf16_bytes, reference_select, round_to_bf16,
                                 to_bf16_bits, to_bf16_bytes)
 except ImportError as e:
     sys.exit(f"test_client.py: {e}\n(PYTHONPATH must hold the installed package: ctest sets "
              "PYTHONPATH=<build>/python, where the build installs it)")
+from client_checks import ClientChecks  # noqa: E402
 from server_process import CAPACITY, HEAD_DIM, LAYERS, Server, server_binary  # noqa: E402
 
 rng = np.random.default_rng(1234)
@@ -57,28 +58,11 @@ def ints(*shape, low=-8, high=8):
     return rng.integers(low, high + 1, size=shape).astype(np.float32)
 
 
-class IndexerClientTest(unittest.TestCase):
+class IndexerClientTest(ClientChecks, unittest.TestCase):
     def setUp(self):
         self.client = IndexerClient(server.target, timeout=20)
         self.addCleanup(self.client.close)
         self.client.wait_until_serving()
-
-    def new_sequence(self, sid):
-        """Registers `sid` to be released after the test, whatever happens."""
-        def release():
-            try:
-                self.client.release(sid)
-            except IndexerError as e:
-                if e.code != grpc.StatusCode.NOT_FOUND:
-                    raise
-        self.addCleanup(release)
-        return sid
-
-    def assertCode(self, code, fn, *args, **kwargs):
-        with self.assertRaises(IndexerError) as caught:
-            fn(*args, **kwargs)
-        self.assertEqual(caught.exception.code, code, str(caught.exception))
-        return caught.exception
 
     def assertSame(self, got, want, what=""):
         np.testing.assert_array_equal(got.block_ids, want.block_ids, err_msg=f"block_ids {what}")

@@ -26,6 +26,7 @@ sys.path.insert(0, HERE)
 from indexer_client import (AsyncIndexerClient, IndexerClient, IndexerError, OutputRefs,  # noqa: E402
                             RegionRef, RegionStatus, Step, SystemRegion, TensorRef,
                             reference_select, round_to_bf16)
+from client_checks import ClientChecks  # noqa: E402
 from server_process import HEAD_DIM, LAYERS, Server  # noqa: E402
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -126,7 +127,7 @@ class SystemRegionTest(unittest.TestCase):
             SystemRegion.attach("kept", key)
 
 
-class RegionTest(unittest.TestCase):
+class RegionTest(ClientChecks, unittest.TestCase):
     def setUp(self):
         self.client = IndexerClient(server.target, timeout=20)
         self.addCleanup(self.client.close)
@@ -141,22 +142,6 @@ class RegionTest(unittest.TestCase):
         if register:
             self.client.register_system_region(name, region.key, byte_size)
         return region
-
-    def new_sequence(self, sid):
-        def release():
-            try:
-                self.client.release(sid)
-            except IndexerError as e:
-                if e.code != NOT_FOUND:
-                    raise
-        self.addCleanup(release)
-        return sid
-
-    def assertCode(self, code, fn, *args, **kwargs):
-        with self.assertRaises(IndexerError) as caught:
-            fn(*args, **kwargs)
-        self.assertEqual(caught.exception.code, code, str(caught.exception))
-        return caught.exception
 
     def assertSame(self, got, want, what=""):
         for name in ("block_ids", "page_table", "context_lens"):

@@ -64,10 +64,14 @@ fi
 
 if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = backend ]; then
   step "the service on the GPU: indexer-server --device=cuda driven by indexer-cli demo"
-  $bundle/indexer-server --listen=127.0.0.1:50191 --device=cuda --capacity=16GiB > "$out/server.log" 2>&1 &
+  $bundle/indexer-server --listen=127.0.0.1:50191 --metrics_listen=127.0.0.1:50192 --device=cuda \
+    --capacity=16GiB > "$out/server.log" 2>&1 &
   server=$!
   for _ in $(seq 100); do $bundle/indexer-cli --server=127.0.0.1:50191 health >/dev/null 2>&1 && break; sleep 0.2; done
   $bundle/indexer-cli --server=127.0.0.1:50191 demo --sequences=32 --tokens=32768 --steps=64 2>&1 | tee -a "$out/server.log" || status=1
+  step "the GPU server's /metrics: NVML's device gauges and the CUDA backend's counters"
+  python3 scripts/check_gpu_metrics.py http://127.0.0.1:50192/metrics 2>&1 | tee "$out/gpu_metrics.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   kill -TERM $server; wait $server || { echo "indexer-server exited $?"; status=1; }
   grep -E "serving on|stopped" "$out/server.log"
 fi

@@ -3,13 +3,32 @@
 # Idempotent: installs only what is missing. Debian 12 (bookworm) and Ubuntu 24.04 (noble).
 # The CUDA toolkit is not installed here: where nvcc is on PATH (or /usr/local/cuda/bin) the
 # CUDA backend is built too; without it the build has the CPU backend only.
+#
+#   scripts/setup.sh               what building and every test need
+#   scripts/setup.sh --build-only  what building the programs needs (-DBUILD_TESTING=OFF; the
+#                                  container image's build stage)
+#   scripts/setup.sh --list [--build-only]   prints the package names instead of installing
 set -euo pipefail
 
-packages=(
+build_only=0
+list=0
+for arg in "$@"; do
+  case "$arg" in
+    --build-only) build_only=1 ;;
+    --list) list=1 ;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup: unknown argument '$arg' (--build-only, --list)" >&2; exit 2 ;;
+  esac
+done
+
+build_packages=(
   build-essential cmake ninja-build pkg-config git ca-certificates
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
-  libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev prometheus-cpp-dev
+  libabsl-dev libspdlog-dev libfmt-dev prometheus-cpp-dev
   libcivetweb-dev  # the HTTP server of the /metrics endpoint (server/metrics_endpoint.cc)
+)
+test_packages=(
+  libgtest-dev libgmock-dev
   python3 python3-grpcio python3-numpy python3-protobuf
   python3-pip python3-venv python3-setuptools python3-wheel  # pip install ./client/python (tests/python)
   procps
@@ -20,6 +39,12 @@ packages=(
   prometheus  # promtool: the metrics tests check the live /metrics exposition with it
   clang libclang-rt-dev  # sanitizer and libFuzzer builds (scripts/sanitize.sh, scripts/fuzz.sh)
 )
+packages=("${build_packages[@]}")
+[ $build_only -eq 1 ] || packages+=("${test_packages[@]}")
+if [ $list -eq 1 ]; then
+  printf '%s\n' "${packages[@]}"
+  exit 0
+fi
 
 missing=()
 for p in "${packages[@]}"; do

@@ -1,5 +1,7 @@
 #include "server/indexer_server.h"
 
+#include "flags/command_line.h"
+
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -23,7 +25,7 @@
 
 namespace indexer::server {
 
-const char* Version() { return INDEXER_VERSION; }
+const char* Version() { return flags::ProgramVersion(); }
 
 namespace {
 // The service name health checks answer for, besides the whole server ("").

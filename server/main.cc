@@ -4,7 +4,8 @@
 // section). SIGINT/SIGTERM: health turns NOT_SERVING, in-flight calls drain (up to
 // --drain_seconds), with --snapshot_on_shutdown every sequence is written to a snapshot file, and
 // the process exits. Exit status (HelpText says the same): 0 after a graceful shutdown; 1 when
-// the server cannot start or the snapshot on shutdown fails; 2 when a value is refused.
+// the server cannot start or the snapshot on shutdown fails; 2 a usage error (an unknown flag
+// or argument, a value that does not parse or is refused).
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -12,10 +13,10 @@
 #include <cstdio>
 #include <string>
 
-#include "absl/flags/parse.h"
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "flags/command_line.h"
 #include "server/indexer_server.h"
 #include "server/server_options.h"
 #include "server/startup.h"
@@ -25,18 +26,11 @@ namespace {
 namespace server = indexer::server;
 
 constexpr int kFailed = 1;
-constexpr int kValueRefused = 2;
 
-bool AsksForHelp(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--") break;
-    for (const char* help : {"-h", "-help", "--help", "-helpfull", "--helpfull", "-helpshort",
-                             "--helpshort"}) {
-      if (arg == help) return true;
-    }
-  }
-  return false;
+int UsageError(const std::string& message) {
+  std::fprintf(stderr, "indexer-server: %s\nRun 'indexer-server --help' for usage.\n",
+               message.c_str());
+  return indexer::flags::kUsageExit;
 }
 
 void LogStart(server::IndexerServer& s, const server::ServerOptions& options) {
@@ -78,25 +72,27 @@ bool SnapshotOnShutdown(server::IndexerServer& s, const server::ServerOptions& o
 int main(int argc, char** argv) {
   // First, before any thread exists: every thread inherits the mask, so only Wait takes them.
   server::ShutdownSignals signals;
-  if (AsksForHelp(argc, argv)) {
+  // The environment first: the command line overrides it.
+  absl::StatusOr<server::EnvironmentFlags> environment = server::ApplyEnvironment(environ);
+  absl::StatusOr<indexer::flags::CommandLine> cl =
+      indexer::flags::ParseCommandLine(argc, argv, server::IsServerFlag);
+  if (!cl.ok()) return UsageError(std::string(cl.status().message()));
+  if (cl->help) {
     std::fputs(server::HelpText().c_str(), stdout);
     return 0;
   }
-  server::SetCommandLineUsage(
-      "server/", "Usage: indexer-server [flags] (indexer-server --help lists them)",
-      [] { return std::string("indexer-server ") + server::Version() + "\n"; });
-  absl::StatusOr<server::EnvironmentFlags> environment = server::ApplyEnvironment(environ);
-  if (!environment.ok()) {
-    std::fprintf(stderr, "indexer-server: %s\n", std::string(environment.status().message()).c_str());
-    return kFailed;
+  if (cl->version) {
+    std::printf("indexer-server %s\n", server::Version());
+    return 0;
   }
-  absl::ParseCommandLine(argc, argv);
+  if (!cl->positional.empty()) {
+    return UsageError("unexpected argument '" + cl->positional[0] + "'");
+  }
+  if (!environment.ok()) return UsageError(std::string(environment.status().message()));
   absl::StatusOr<server::ServerOptions> options = server::OptionsFromFlags();
   absl::Status settings = options.ok() ? server::CheckEnvironmentSettings(environ) : options.status();
   if (!settings.ok()) {
-    std::fprintf(stderr, "indexer-server: %s\n",
-                 server::NameTheVariable(settings.message(), *environment, argc, argv).c_str());
-    return kValueRefused;
+    return UsageError(server::NameTheVariable(settings.message(), *environment, cl->set));
   }
   spdlog::set_level(spdlog::level::from_str(options->log_level));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");

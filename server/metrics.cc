@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/backend_factory.h"
+#include "flags/command_line.h"
 #include "server/process_metrics.h"
 
 namespace indexer::server {
@@ -65,7 +66,7 @@ void RegisterBuildInfo(prometheus::Registry& registry, const std::string& backen
       .Help("Always 1; the labels say which server this is: its version, the backend it runs and "
             "whether the build has the CUDA backend.")
       .Register(registry)
-      .Add({{"version", INDEXER_VERSION},
+      .Add({{"version", flags::ProgramVersion()},
             {"backend", backend},
             {"cuda_built", engine::BuiltWithCuda() ? "true" : "false"}})
       .Set(1);

@@ -131,7 +131,7 @@ std::string VariableOf(absl::string_view flag) {
   return absl::StrCat("INDEXER_", absl::AsciiStrToUpper(flag));
 }
 
-bool IsServerFlag(absl::string_view name) {
+bool IsServerFlagName(absl::string_view name) {
   for (const FlagSection& section : FlagSections()) {
     for (const char* flag : section.flags) {
       if (name == flag) return true;
@@ -241,10 +241,10 @@ std::string HelpText() {
            "--not_serving_seconds, then in-flight calls finish for up to --drain_seconds) and "
            "it exits.",
            kWidth, ""),
-      Wrap("Exit status: 0 after a graceful shutdown; 1 the server could not start (an unknown "
-           "flag, a flag or INDEXER_ variable whose value does not parse, an address in use, a "
-           "backend, TLS, token file or restore failure) or the snapshot on shutdown failed; "
-           "2 a value was refused by the server's checks (out of range, or flags that do not go "
+      Wrap("Exit status: 0 after a graceful shutdown; 1 the server could not start (an address "
+           "in use, a backend, TLS, token file or restore failure) or the snapshot on shutdown "
+           "failed; 2 a usage error: an unknown flag or argument, or a flag or INDEXER_ variable "
+           "whose value does not parse or is refused (out of range, or flags that do not go "
            "together; the message names the flag or its variable).",
            kWidth, ""));
   return out;
@@ -282,6 +282,8 @@ const std::vector<EnvironmentSetting>& EnvironmentSettings() {
   return settings;
 }
 
+bool IsServerFlag(const absl::CommandLineFlag& flag) { return IsServerFlagName(flag.Name()); }
+
 absl::StatusOr<EnvironmentFlags> ApplyEnvironment(char** environment) {
   EnvironmentFlags out;
   for (char** entry = environment; entry != nullptr && *entry != nullptr; ++entry) {
@@ -297,7 +299,7 @@ absl::StatusOr<EnvironmentFlags> ApplyEnvironment(char** environment) {
         std::any_of(EnvironmentSettings().begin(), EnvironmentSettings().end(),
                     [&](const EnvironmentSetting& e) { return variable == e.variable; });
     if (known_other) continue;
-    absl::CommandLineFlag* f = IsServerFlag(flag) ? absl::FindCommandLineFlag(flag) : nullptr;
+    absl::CommandLineFlag* f = IsServerFlagName(flag) ? absl::FindCommandLineFlag(flag) : nullptr;
     if (f == nullptr) {
       out.warnings.push_back(UnknownVariableWarning(variable));
       continue;
@@ -331,21 +333,15 @@ absl::Status CheckEnvironmentSettings(char** environment) {
 }
 
 std::string NameTheVariable(absl::string_view message, const EnvironmentFlags& environment,
-                            int argc, char** argv) {
+                            const std::vector<std::string>& command_line_flags) {
   absl::string_view rest = message;
   if (!absl::ConsumePrefix(&rest, "--")) return std::string(message);
   const size_t end = rest.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_");
   const std::string flag(rest.substr(0, end));
-  if (std::find(environment.flags.begin(), environment.flags.end(), flag) ==
-      environment.flags.end()) {
-    return std::string(message);
-  }
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (!absl::ConsumePrefix(&arg, "--")) absl::ConsumePrefix(&arg, "-");
-    absl::ConsumePrefix(&arg, "no");
-    if (arg == flag || absl::StartsWith(arg, absl::StrCat(flag, "="))) return std::string(message);
-  }
+  const auto names = [&](const std::vector<std::string>& flags) {
+    return std::find(flags.begin(), flags.end(), flag) != flags.end();
+  };
+  if (!names(environment.flags) || names(command_line_flags)) return std::string(message);
   return absl::StrCat(message, " (set by ", VariableOf(flag), ")");
 }
 

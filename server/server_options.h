@@ -1,13 +1,14 @@
 // ServerOptions: everything indexer-server is configured with, and how it is read from flags
 // and environment variables (INDEXER_<FLAG NAME IN CAPITALS>; a flag on the command line wins),
-// and what --help prints. main() calls, in order: ApplyEnvironment, absl::ParseCommandLine,
-// OptionsFromFlags, CheckEnvironmentSettings.
+// and what --help prints. main() calls, in order: ApplyEnvironment, flags::ParseCommandLine
+// (with IsServerFlag), OptionsFromFlags, CheckEnvironmentSettings.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -80,7 +81,7 @@ struct EnvironmentFlags {
   std::vector<std::string> warnings;  // one line per INDEXER_ variable the server does not read
 };
 
-// Before absl::ParseCommandLine (which then overrides them with the command line): sets every
+// Before the command line is parsed (which then overrides them): sets every
 // flag named by an INDEXER_<FLAG> variable of `environment` (NAME=value strings, null-terminated
 // like environ). The client tools' INDEXER_SERVER and INDEXER_TOKEN and EnvironmentSettings are
 // known and skipped; any other INDEXER_ variable gets a warning, with the nearest known name.
@@ -93,9 +94,13 @@ absl::Status CheckEnvironmentSettings(char** environment);
 
 // `message` (an error of OptionsFromFlags, which starts with the flag: "--capacity is ...") with
 // " (set by INDEXER_CAPACITY)" added when that flag's value came from the environment, not from
-// the command line argv.
+// the command line (whose flags are `command_line_flags`).
 std::string NameTheVariable(absl::string_view message, const EnvironmentFlags& environment,
-                            int argc, char** argv);
+                            const std::vector<std::string>& command_line_flags);
+
+// The flags indexer-server accepts on its command line and from INDEXER_ variables: those of
+// FlagSections (absl also registers flags of the libraries it links).
+bool IsServerFlag(const absl::CommandLineFlag& flag);
 
 // What --help prints: the program's flags by section with defaults, the environment-only
 // settings, signals and exit status.

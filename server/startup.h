@@ -1,15 +1,8 @@
 // What the gRPC server binaries (indexer-server, indexer-echo-server) do first in main, before
-// any thread exists: block the shutdown signals they later take with sigwait, and say what absl's
-// --help, --helpshort and --version print. Call from main's thread, before absl::ParseCommandLine
-// and before starting any thread. Nothing here fails.
+// any thread exists: block the shutdown signals they later take with sigwait. Nothing here fails.
 #pragma once
 
 #include <signal.h>
-
-#include <functional>
-#include <string>
-
-#include "absl/strings/string_view.h"
 
 namespace indexer::server {
 
@@ -28,11 +21,5 @@ class ShutdownSignals {
  private:
   sigset_t signals_;
 };
-
-// Sets what absl::ParseCommandLine's --help and --helpshort list: `message` and then only the
-// flags defined in files whose path contains `flag_files` (absl lists every linked library's
-// flags otherwise). `version` gives --version's text; empty keeps absl's default. Call once.
-void SetCommandLineUsage(absl::string_view flag_files, absl::string_view message,
-                         std::function<std::string()> version = nullptr);
 
 }  // namespace indexer::server

@@ -38,12 +38,13 @@
 #include <type_traits>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "indexer/v1/indexer.grpc.pb.h"
 #include "server/request_executor.h"
 #include "server/startup.h"
+#include "flags/command_line.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50052",
           "gRPC listen address: host:port (port 0 picks one; the port is printed), or "
@@ -402,18 +403,45 @@ class EchoService final : public v1::Indexer::CallbackService {
 }  // namespace
 }  // namespace indexer::bench
 
+namespace {
+
+constexpr char kUsage[] =
+    "indexer-echo-server: the gRPC floor of the indexer service. It serves indexer.v1.Indexer\n"
+    "with the real server's gRPC settings and answers every call OK with an answer of the right\n"
+    "shape and size, keeping and computing nothing: the reference scripts/service_bench.py and\n"
+    "indexer-bench measure the service against.\n"
+    "\n"
+    "Usage: indexer-echo-server [flags]\n"
+    "  indexer-echo-server --listen=127.0.0.1:0             (a free port, printed)\n"
+    "  indexer-echo-server --listen=unix:/tmp/echo.sock     (a Unix domain socket)\n"
+    "\n"
+    "Exit status: 0 after SIGINT or SIGTERM; 1 it cannot listen; 2 a usage error (an unknown\n"
+    "flag or argument, a value that does not parse or is out of range).\n";
+
+}  // namespace
+
 int main(int argc, char** argv) {
   // First, before any thread exists: every thread inherits the mask, so only Wait takes them.
   indexer::server::ShutdownSignals signals;
-  indexer::server::SetCommandLineUsage(
-      "echo_server",
-      "The gRPC floor of the indexer service: serves indexer.v1.Indexer with the real server's\n"
-      "gRPC settings and answers every call OK with an answer of the right shape and size,\n"
-      "keeping and computing nothing. For scripts/service_bench.py and indexer-bench.\n"
-      "Usage: indexer-echo-server [flags]\n"
-      "  indexer-echo-server --listen=127.0.0.1:0             (a free port, printed)\n"
-      "  indexer-echo-server --listen=unix:/tmp/echo.sock     (a Unix domain socket)");
-  absl::ParseCommandLine(argc, argv);
+  const indexer::flags::FlagFilter ours =
+      indexer::flags::FlagsDefinedIn("client/bench/echo_server.cc");
+  absl::StatusOr<indexer::flags::CommandLine> cl = indexer::flags::ParseCommandLine(argc, argv, ours);
+  if (cl.ok() && !cl->positional.empty()) {
+    cl = absl::InvalidArgumentError("unexpected argument '" + cl->positional[0] + "'");
+  }
+  if (!cl.ok()) {
+    std::fprintf(stderr, "indexer-echo-server: %s\nRun 'indexer-echo-server --help' for usage.\n",
+                 std::string(cl.status().message()).c_str());
+    return indexer::flags::kUsageExit;
+  }
+  if (cl->help) {
+    std::printf("%s\nFlags:\n%s", kUsage, indexer::flags::FlagList(ours).c_str());
+    return 0;
+  }
+  if (cl->version) {
+    std::printf("indexer-echo-server %s\n", indexer::flags::ProgramVersion());
+    return 0;
+  }
 
   indexer::bench::EchoShape shape;
   shape.head_dim = absl::GetFlag(FLAGS_head_dim);
@@ -427,7 +455,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "indexer-echo-server: --head_dim, --layers and --topk must be >= 1, "
                  "--handler_threads >= 0, --max_message_bytes in [1024, 2^31)\n");
-    return 2;
+    return indexer::flags::kUsageExit;
   }
 
   std::unique_ptr<indexer::server::RequestExecutor> executor;

@@ -27,8 +27,8 @@
 #include "client/bench/request_region.h"
 #include "client/bench/runner.h"
 #include "client/bench/workload.h"
-#include "client/cpp/flag_args.h"
 #include "client/cpp/sharded_client.h"
+#include "flags/command_line.h"
 
 // Servers and connections.
 ABSL_FLAG(std::string, servers, "127.0.0.1:50051",
@@ -192,10 +192,9 @@ namespace v1 = indexer::v1;
 
 constexpr int kOk = 0;
 constexpr int kFailed = 1;
-constexpr int kUsage = 2;
+constexpr int kUsage = indexer::flags::kUsageExit;
 // Interrupted by a signal: 128 + its number (130 for Ctrl-C), after writing the reports.
 volatile sig_atomic_t interrupted_by = 0;
-constexpr char kVersion[] = "0.1.0";
 
 constexpr char kUsageText[] =
     R"(indexer-bench: the load tester of the indexer service (sparse-attention block selection).
@@ -251,9 +250,7 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& FlagSection
   return *sections;
 }
 
-bool IsOurFlag(const absl::CommandLineFlag& flag) {
-  return absl::StrContains(flag.Filename(), "client/bench/");
-}
+const indexer::flags::FlagFilter IsOurFlag = indexer::flags::FlagsDefinedIn("client/bench/");
 
 // `text` as lines of at most `width` columns, each indented by `indent` spaces.
 std::string Wrap(const std::string& text, int indent, int width) {
@@ -289,28 +286,18 @@ int UsageError(const std::string& message) {
   return kUsage;
 }
 
-// Parses --name=value / --name value / --bool / --nobool. Returns the names set, or an error.
-absl::StatusOr<std::vector<std::string>> ParseFlags(int argc, char** argv, bool* help,
-                                                    bool* version) {
-  std::vector<std::string> set;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (arg == "-h" || arg == "--help" || arg == "-help" || arg == "--helpfull" || arg == "help") {
-      *help = true;
-      continue;
-    }
-    if (arg == "--version") {
-      *version = true;
-      continue;
-    }
-    if (!absl::StartsWith(arg, "-")) {
+// Parses argv (flags/command_line.h); "help" is accepted as the one positional argument.
+absl::StatusOr<indexer::flags::CommandLine> ParseFlags(int argc, char** argv) {
+  absl::StatusOr<indexer::flags::CommandLine> cl =
+      indexer::flags::ParseCommandLine(argc, argv, IsOurFlag);
+  if (!cl.ok()) return cl.status();
+  for (const std::string& arg : cl->positional) {
+    if (arg != "help") {
       return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
     }
-    absl::StatusOr<std::string> name = indexer::client::ParseFlagArgument(argc, argv, &i, IsOurFlag);
-    if (!name.ok()) return name.status();
-    set.push_back(*name);
+    cl->help = true;
   }
-  return set;
+  return cl;
 }
 
 const char* KeyStorageName(v1::KeyStorage s) {
@@ -568,17 +555,17 @@ absl::StatusOr<Plan> PlanFromFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool help = false, version = false;
-  absl::StatusOr<std::vector<std::string>> set = ParseFlags(argc, argv, &help, &version);
-  if (!set.ok()) return UsageError(std::string(set.status().message()));
-  if (help) {
+  absl::StatusOr<indexer::flags::CommandLine> cl = ParseFlags(argc, argv);
+  if (!cl.ok()) return UsageError(std::string(cl.status().message()));
+  if (cl->help) {
     PrintHelp();
     return kOk;
   }
-  if (version) {
-    std::printf("indexer-bench %s\n", kVersion);
+  if (cl->version) {
+    std::printf("indexer-bench %s\n", indexer::flags::ProgramVersion());
     return kOk;
   }
+  const std::vector<std::string>* set = &cl->set;
   const bool servers_given = std::find(set->begin(), set->end(), "servers") != set->end();
   if (const char* env = std::getenv("INDEXER_SERVER"); env != nullptr && *env && !servers_given) {
     absl::SetFlag(&FLAGS_servers, std::string(env));
@@ -667,7 +654,7 @@ int main(int argc, char** argv) {
                               spec.seed);
 
   bench::BenchReport report;
-  report.version = kVersion;
+  report.version = indexer::flags::ProgramVersion();
   report.started_at = absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone());
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) {

@@ -148,8 +148,9 @@ std::string ThroughputVsLatency(const BenchReport& report) {
   ChartOptions o;
   o.title = report.stages.size() > 1
                 ? "Throughput against latency across the sweep"
-                : "Throughput against latency (one stage; --sweep draws a curve)";
-  o.x_label = "achieved decode requests/s";
+                : "Throughput against latency (one stage)";
+  o.x_label = report.stages.size() > 1 ? "achieved decode requests/s"
+                                       : "achieved decode requests/s (--sweep draws a curve)";
   o.y_label = "latency (ms)";
   if (report.sweep_max_latency_ms > 0) {
     o.threshold_y = report.sweep_max_latency_ms;

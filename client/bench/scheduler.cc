@@ -351,8 +351,9 @@ bool SimulatedScheduler::DecodeUnary(DecodeRecord& record) {
   record.code = Apply(item, result, &record.selections, &record.tokens);
   record.items = 1;
   record.item_codes[record.code] = 1;
+  if (record.code != 0) record.message = std::string(r.status().message());
   ctx_.recorder->RecordDecode(record);
-  Note(record.code, std::string(r.status().message()));
+  Note(record.code, record.message);
   if (record.code != 0 && item.with_append) return true;  // the step's append failed: retry it
   if (++cursor_layer_ >= spec.layers) {
     if (slot->appended_this_step) FinishStep(*slot);
@@ -382,18 +383,17 @@ std::vector<SimulatedScheduler::PendingItem> SimulatedScheduler::BuildStep(
 void SimulatedScheduler::CompleteStep(std::vector<PendingItem>& items,
                                       const v1::BatchResponse& response, DecodeRecord& record) {
   record.items = static_cast<int64_t>(items.size());
-  std::string message;
   for (size_t i = 0; i < items.size(); ++i) {
     const v1::BatchItemResult& result = response.results(static_cast<int>(i));
     const int code = Apply(items[i], result, &record.selections, &record.tokens);
     ++record.item_codes[code];
     if (code != 0 && record.code == 0) {
       record.code = code;
-      message = result.message();
+      record.message = result.message();
     }
   }
   ctx_.recorder->RecordDecode(record);
-  Note(record.code, message);
+  Note(record.code, record.message);
   for (const PendingItem& item : items) {
     Slot* slot = slots_[item.slot].get();
     if (item.with_append && slot != nullptr && slot->appended_this_step) FinishStep(*slot);

@@ -29,8 +29,8 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/cpp/flag_args.h"
 #include "client/cpp/indexer_client.h"
+#include "flags/command_line.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051",
           "Server address: host:port, or unix:/path/to/socket for a server listening on a Unix "
@@ -79,7 +79,7 @@ namespace v1 = indexer::v1;
 
 constexpr int kOk = 0;
 constexpr int kRpcError = 1;
-constexpr int kUsageError = 2;
+constexpr int kUsageError = indexer::flags::kUsageExit;
 
 constexpr char kUsage[] =
     R"(indexer-cli: a command-line client of the indexer gRPC service (sparse-attention block
@@ -133,52 +133,29 @@ int RpcError(absl::string_view what, const absl::Status& status) {
   return kRpcError;
 }
 
-bool IsOurFlag(const absl::CommandLineFlag& flag) {
-  return absl::StrContains(flag.Filename(), "client/cpp/cli.cc");
-}
+const indexer::flags::FlagFilter IsOurFlag = indexer::flags::FlagsDefinedIn("client/cpp/cli.cc");
 
 void PrintHelp() {
-  std::printf("%s\nFlags:\n", kUsage);
-  std::map<std::string, const absl::CommandLineFlag*> flags;
-  for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (IsOurFlag(*flag)) flags[std::string(name)] = flag;
-  }
-  for (const auto& [name, flag] : flags) {
-    std::printf("  --%s (default: %s)\n      %s\n", name.c_str(),
-                flag->DefaultValue().empty() ? "''" : flag->DefaultValue().c_str(),
-                flag->Help().c_str());
-  }
+  std::printf("%s\nFlags:\n%s", kUsage, indexer::flags::FlagList(IsOurFlag).c_str());
 }
 
-// Parses argv: flags (--name=value, --name value, --bool, --nobool) anywhere, one positional
-// command. absl::ParseCommandLine exits with status 1 on a bad flag; usage errors here are 2.
+// Parses argv (flags/command_line.h): flags anywhere, one positional command.
 struct CommandLine {
   std::string command;
   std::vector<std::string> set_flags;
   bool help = false;
+  bool version = false;
 };
 
 absl::StatusOr<CommandLine> ParseArgs(int argc, char** argv) {
+  absl::StatusOr<indexer::flags::CommandLine> parsed =
+      indexer::flags::ParseCommandLine(argc, argv, IsOurFlag);
+  if (!parsed.ok()) return parsed.status();
   CommandLine cl;
-  std::vector<std::string> positional;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (arg == "--") {
-      for (++i; i < argc; ++i) positional.emplace_back(argv[i]);
-      break;
-    }
-    if (arg == "-h" || arg == "--help" || arg == "-help" || arg == "--helpfull") {
-      cl.help = true;
-      continue;
-    }
-    if (!absl::StartsWith(arg, "-") || arg == "-") {
-      positional.emplace_back(arg);
-      continue;
-    }
-    absl::StatusOr<std::string> name = indexer::client::ParseFlagArgument(argc, argv, &i, IsOurFlag);
-    if (!name.ok()) return name.status();
-    cl.set_flags.push_back(*name);
-  }
+  cl.set_flags = parsed->set;
+  cl.help = parsed->help;
+  cl.version = parsed->version;
+  const std::vector<std::string>& positional = parsed->positional;
   if (positional.size() > 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("one command expected, got: ", absl::StrJoin(positional, " ")));
@@ -694,6 +671,10 @@ int main(int argc, char** argv) {
   if (!cl.ok()) return UsageError(std::string(cl.status().message()));
   if (cl->help) {
     PrintHelp();
+    return kOk;
+  }
+  if (cl->version) {
+    std::printf("indexer-cli %s\n", indexer::flags::ProgramVersion());
     return kOk;
   }
   if (cl->command.empty()) return UsageError("no command given");

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -523,6 +524,13 @@ absl::StatusOr<HealthStatus> IndexerClient::Health(absl::string_view service,
   }
 }
 
+namespace {
+// A wait to the millisecond ("1s", not the "999.999219ms" left of a caller's deadline).
+std::string FormatWait(absl::Duration d) {
+  return absl::FormatDuration(absl::Milliseconds(std::llround(absl::ToDoubleMilliseconds(d))));
+}
+}  // namespace
+
 absl::Status IndexerClient::WaitUntilServing(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   absl::Status last = absl::DeadlineExceededError("the server did not answer health checks");
@@ -539,7 +547,7 @@ absl::Status IndexerClient::WaitUntilServing(absl::Duration timeout) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   return absl::DeadlineExceededError(
-      absl::StrCat("not SERVING within ", absl::FormatDuration(timeout), "; last: ", last.ToString()));
+      absl::StrCat("not SERVING within ", FormatWait(timeout), "; last: ", last.ToString()));
 }
 
 std::unique_ptr<BatchStream> IndexerClient::OpenBatchStream(const CallOptions& call) {

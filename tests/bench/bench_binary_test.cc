@@ -359,6 +359,11 @@ TEST_F(BenchBinaryTest, UsageAndConnectionErrors) {
   const BenchRun down = RunBench({"--servers=127.0.0.1:1", "--wait=300ms", "--duration=1s"});
   EXPECT_EQ(down.code, 1);
   EXPECT_THAT(down.err, HasSubstr("not serving"));
+  EXPECT_THAT(down.err, HasSubstr("not SERVING within 300ms")) << "the wait as given";
+  // Usage errors exit 2 like every indexer program's: a stray argument, a missing value.
+  EXPECT_EQ(RunBench({"run"}).code, 2);
+  EXPECT_EQ(RunBench({"--servers"}).code, 2);
+  EXPECT_EQ(RunBench({"help"}).code, 0);
 }
 
 // A server of its own (the tests that stop theirs, or listen elsewhere).
@@ -464,6 +469,10 @@ TEST_F(BenchBinaryTest, UnreachableServerBacksOffAndEnds) {
   std::string errors;
   for (const Value& e : F(stage, "first_errors").list_value().values()) {
     errors += e.string_value() + "\n";
+    // "CODE: message", and the message says what went wrong.
+    const size_t colon = e.string_value().find(": ");
+    ASSERT_NE(colon, std::string::npos) << e.string_value();
+    EXPECT_GT(e.string_value().size(), colon + 2) << "no message: " << e.string_value();
   }
   EXPECT_THAT(errors, HasSubstr("UNAVAILABLE"));
 }

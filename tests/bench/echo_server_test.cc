@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -30,6 +31,7 @@ namespace {
 
 namespace v1 = indexer::v1;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 using indexer::testing::Child;
 using indexer::testing::ReadFile;
@@ -273,8 +275,26 @@ TEST(EchoServerFlags, HelpSaysUnixSocketsWork) {
   const char* binary = std::getenv("INDEXER_ECHO_SERVER_BINARY");
   ASSERT_NE(binary, nullptr);
   const testing::RunResult run = RunToEnd({binary, "--help"});
+  EXPECT_EQ(run.code, 0);
   EXPECT_THAT(run.output, HasSubstr("--listen=unix:/"));
   EXPECT_THAT(run.output, HasSubstr("unix:/path/to/socket for a Unix domain socket"));
+  EXPECT_THAT(run.output, HasSubstr("  --max_message_bytes (default: 67108864)"));
+  EXPECT_THAT(run.output, HasSubstr("Exit status:"));
+  EXPECT_THAT(run.output, Not(HasSubstr("Flags from"))) << "absl's listing, with build paths";
+}
+
+// Usage errors exit 2 like every indexer program's, saying what was wrong.
+TEST(EchoServerFlags, UsageErrorsExitTwo) {
+  const char* binary = std::getenv("INDEXER_ECHO_SERVER_BINARY");
+  ASSERT_NE(binary, nullptr);
+  for (const auto& [arg, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--no_such_flag", "unknown flag --no_such_flag"},
+           {"--layers=many", "--layers"},
+           {"serve", "unexpected argument 'serve'"}}) {
+    const testing::RunResult run = RunToEnd({binary, arg});
+    EXPECT_EQ(run.code, 2) << arg << ":\n" << run.output;
+    EXPECT_THAT(run.output, HasSubstr(message)) << arg;
+  }
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <regex>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "client/bench/svg_chart.h"
 #include "tests/bench/sample_report.h"
@@ -251,6 +252,47 @@ TEST(ReportTest, ChartsDrawInsideThemselves) {
     }
   }
   EXPECT_EQ(charts, 6);
+}
+
+// No text runs past its chart's edges: each label's extent, estimated at 0.6 em per character
+// (wider than the average glyph of a sans-serif face, bold included), fits the chart's width.
+TEST(ReportTest, ChartTextFitsTheChart) {
+  const std::regex svg_re(R"svg(<svg [^>]*width="(\d+)"[^>]*font-size="(\d+)")svg");
+  const std::regex text_re(R"re(<text ([^>]*)>([^<]*)<)re");
+  const std::regex x_re(R"re(\bx="(-?[\d.]+)")re");
+  const std::regex size_re(R"re(font-size="(\d+)")re");
+  const std::regex anchor_re(R"re(text-anchor="(\w+)")re");
+  for (int stages : {1, 3}) {
+    const std::string html = HtmlReport(SampleReport(stages));
+    int texts = 0;
+    for (size_t at = html.find("<svg "); at != std::string::npos;
+         at = html.find("<svg ", at + 1)) {
+      const std::string svg = html.substr(at, html.find("</svg>", at) - at);
+      std::smatch m;
+      ASSERT_TRUE(std::regex_search(svg, m, svg_re));
+      const double width = std::stod(m[1]);
+      const double base_size = std::stod(m[2]);
+      for (auto it = std::sregex_iterator(svg.begin(), svg.end(), text_re);
+           it != std::sregex_iterator(); ++it) {
+        const std::string attrs = (*it)[1].str();
+        if (attrs.find("rotate(") != std::string::npos) continue;  // the vertical axis label
+        std::smatch a;
+        ASSERT_TRUE(std::regex_search(attrs, a, x_re)) << attrs;
+        const double x = std::stod(a[1]);
+        const double size = std::regex_search(attrs, a, size_re) ? std::stod(a[1]) : base_size;
+        const std::string anchor =
+            std::regex_search(attrs, a, anchor_re) ? a[1].str() : std::string("start");
+        const std::string text = absl::StrReplaceAll(
+            (*it)[2].str(), {{"&amp;", "&"}, {"&lt;", "<"}, {"&gt;", ">"}, {"&quot;", "\""}});
+        const double extent = 0.6 * size * static_cast<double>(text.size());
+        const double left = anchor == "end" ? x - extent : anchor == "middle" ? x - extent / 2 : x;
+        EXPECT_GE(left, 0) << stages << " stages: " << text;
+        EXPECT_LE(left + extent, width) << stages << " stages: " << text;
+        ++texts;
+      }
+    }
+    EXPECT_GT(texts, 50);
+  }
 }
 
 TEST(SvgChartTest, TicksAreNice) {

@@ -391,6 +391,22 @@ class Dockerfile(unittest.TestCase):
         self.assertRegex(self.text, r"HEALTHCHECK [^\n]*\\\n\s*CMD \[\"indexer-cli\", "
                                     rf"\"--server=127\.0\.0\.1:{health}\".*\"health\"\]")
 
+    def test_the_build_stage_installs_only_what_building_needs(self):
+        self.assertIn("RUN scripts/setup.sh --build-only\n", self.text)
+
+        def listed(*args):
+            r = subprocess.run(["bash", path("scripts/setup.sh"), "--list", *args],
+                               capture_output=True, text=True, check=True)
+            return set(r.stdout.split())
+        build, everything = listed("--build-only"), listed()
+        self.assertLess(build, everything)
+        for tool in ("chromium", "nginx", "prometheus", "clang", "libgtest-dev", "yamllint"):
+            self.assertNotIn(tool, build)
+            self.assertIn(tool, everything)
+        for need in ("cmake", "libgrpc++-dev", "libabsl-dev", "libspdlog-dev",
+                     "prometheus-cpp-dev", "libcivetweb-dev", "protobuf-compiler-grpc"):
+            self.assertIn(need, build)
+
     def test_layers_base_images_and_library_path(self):
         setup = self.text.index("RUN scripts/setup.sh")
         self.assertLess(self.text.index("COPY scripts/setup.sh"), setup)

@@ -401,6 +401,25 @@ class StreamTest(unittest.TestCase):
             fake.servicer.gate.release()
             self.assertEqual(second[0].result(10)[0].start_position, 200)
 
+    def test_a_submit_waiting_for_a_slot_times_out_sending_nothing(self):
+        fake.servicer.hold = True
+        with self.client.open_stream(max_in_flight=1) as stream:
+            first = stream.submit(self.steps(0))
+            start = time.monotonic()
+            with self.assertRaises(IndexerError) as caught:
+                stream.submit(self.steps(1), timeout=0.2)
+            self.assertEqual(caught.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+            self.assertIn("was not sent", caught.exception.message)
+            self.assertLess(time.monotonic() - start, 5)
+            with self.assertRaises(IndexerError) as caught:  # step's timeout covers the wait
+                stream.step(self.steps(1), timeout=0.2)
+            self.assertEqual(caught.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+            fake.servicer.gate.release()
+            self.assertEqual(first.result(10)[0].start_position, 100)
+            fake.servicer.gate.release()
+            # Nothing of the refused submits was sent: the next batch is the second one.
+            self.assertEqual(stream.step(self.steps(1), timeout=10)[0].start_position, 200)
+
     def test_misnumbered_answer_fails_the_stream(self):
         fake.servicer.id_offset = 5
         stream = self.client.open_stream()
@@ -508,6 +527,26 @@ class AsyncWireTest(unittest.TestCase):
                 await stream.step(steps)
             self.assertEqual(caught.exception.code, grpc.StatusCode.INTERNAL)
             await stream.close()
+        self.run_async(test)
+
+    def test_a_submit_waiting_for_a_slot_times_out_sending_nothing(self):
+        steps = [Step("s", queries=floats(1, 1, HEAD_DIM))]
+
+        async def test(c):
+            fake.servicer.hold = True
+            async with c.open_stream(max_in_flight=1) as stream:
+                first = await stream.submit(steps)
+                with self.assertRaises(IndexerError) as caught:
+                    await stream.submit(steps, timeout=0.2)
+                self.assertEqual(caught.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+                self.assertIn("was not sent", caught.exception.message)
+                with self.assertRaises(IndexerError) as caught:  # step's timeout covers the wait
+                    await stream.step(steps, timeout=0.2)
+                self.assertEqual(caught.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+                fake.servicer.gate.release()
+                self.assertEqual((await first)[0].start_position, 100)
+                fake.servicer.gate.release()
+                self.assertEqual((await stream.step(steps, timeout=10))[0].start_position, 200)
         self.run_async(test)
 
 

@@ -57,6 +57,7 @@ TEST_F(BinaryTest, BadFlagValuesExitWithStatus2NamingTheFlag) {
       {"--device=tpu", "device"},             {"--key_dtype=int4", "key_dtype"},
       {"--drain_seconds=-1", "drain_seconds"}, {"--max_message_bytes=10", "max_message_bytes"},
       {"--topk=999", "topk"},                 {"--log_level=loud", "log_level"},
+      {"--listen=garbage", "listen"},
   };
   for (const auto& [flag, name] : cases) {
     const RunResult r = RunToEnd({server_, "--listen=127.0.0.1:0", flag});
@@ -137,9 +138,9 @@ TEST_F(BinaryTest, HelpPrintsTheProgramsOwnSections) {
 }
 
 TEST_F(BinaryTest, EnvironmentVariablesAreCheckedAndNamed) {
-  // A value that does not parse: like the same value on the command line (exit 1), named.
+  // A value that does not parse: like the same value on the command line (exit 2), named.
   RunResult r = RunToEnd({server_, "--device=cpu"}, {"INDEXER_HEAD_DIM=abc"});
-  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("INDEXER_HEAD_DIM='abc' (the variable of --head_dim)"));
   // A value out of range (exit 2), named by its variable.
   r = RunToEnd({server_, "--device=cpu"}, {"INDEXER_HEAD_DIM=100"});
@@ -195,13 +196,24 @@ TEST_F(BinaryTest, ServesOnAUnixSocketAndTheCliReachesIt) {
   rmdir(dir.c_str());
 }
 
-TEST_F(BinaryTest, UnparsableFlagsExitNonZeroNamingTheFlag) {
-  // A value absl cannot parse, and a flag that does not exist: absl's parser reports them and
-  // exits with status 1 (README: 1 = could not start, 2 = a flag's value is out of range).
-  for (const char* flag : {"--head_dim=abc", "--no_such_flag=1"}) {
-    const RunResult r = RunToEnd({server_, "--listen=127.0.0.1:0", flag});
-    EXPECT_EQ(r.code, 1) << flag << " exited with " << r.code << ":\n" << r.output;
-    EXPECT_THAT(r.output, HasSubstr(std::string(flag).substr(2, std::string(flag).find('=') - 2)));
+// The other usage errors exit 2 too (README and --help: 2 = a usage error, 1 = could not
+// start), naming what was wrong: a flag that does not exist, a value absl's parser refuses, a
+// missing value, a stray argument.
+TEST_F(BinaryTest, UnparsableFlagsAndArgumentsExitWithStatus2) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--head_dim=abc"}, "--head_dim"},
+      {{"--no_such_flag=1"}, "unknown flag --no_such_flag"},
+      {{"--devices=abc"}, "--devices"},
+      {{"--capacity"}, "--capacity needs a value"},
+      {{"serve"}, "unexpected argument 'serve'"},
+  };
+  for (const auto& [args, message] : cases) {
+    std::vector<std::string> argv = {server_, "--device=cpu"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const RunResult r = RunToEnd(argv);
+    EXPECT_EQ(r.code, 2) << args[0] << " exited with " << r.code << ":\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(message)) << args[0];
+    EXPECT_THAT(r.output, HasSubstr("Run 'indexer-server --help' for usage.")) << args[0];
   }
 }
 
@@ -316,6 +328,8 @@ TEST_F(BinaryTest, CliTalksToTheServer) {
       {{"--help"}, 0, "demo"},
       {{"--help"}, 0, "unix:/path/to/socket"},
       {{"--help"}, 0, "Exit status: 0 ok"},
+      {{"--version"}, 0, "indexer-cli "},
+      {{"--timeout"}, 2, "--timeout needs a value"},
       {{"--server=127.0.0.1:1", "info"}, 1, "UNAVAILABLE"},
       {{"--server=unix:/nonexistent/indexer.sock", "info"}, 1, "UNAVAILABLE"},
   };

@@ -177,14 +177,11 @@ TEST_F(OptionsTest, EnvironmentSettingsOutOfRangeAreRefused) {
 TEST_F(OptionsTest, RefusedValuesNameTheVariableThatSetThem) {
   EnvironmentFlags env;
   env.flags = {"head_dim"};
-  char arg0[] = "indexer-server";
-  char flag[] = "--head_dim=100";
-  char* from_env[] = {arg0};
-  char* from_line[] = {arg0, flag};
   const std::string message = "--head_dim is 100; it must be 64, 128 or 256";
-  EXPECT_EQ(NameTheVariable(message, env, 1, from_env), message + " (set by INDEXER_HEAD_DIM)");
-  EXPECT_EQ(NameTheVariable(message, env, 2, from_line), message);
-  EXPECT_EQ(NameTheVariable("--capacity is 0", env, 1, from_env), "--capacity is 0");
+  EXPECT_EQ(NameTheVariable(message, env, {}), message + " (set by INDEXER_HEAD_DIM)");
+  EXPECT_EQ(NameTheVariable(message, env, {"capacity"}), message + " (set by INDEXER_HEAD_DIM)");
+  EXPECT_EQ(NameTheVariable(message, env, {"head_dim"}), message);
+  EXPECT_EQ(NameTheVariable("--capacity is 0", env, {}), "--capacity is 0");
 }
 
 TEST_F(OptionsTest, ListenAddressesAreCheckedByTheirFlag) {

@@ -54,6 +54,11 @@ std::vector<Method> Methods() {
       {"/indexer.v1.Indexer/GetSequence", "indexer.v1.GetSequenceRequest", kBadUtf8Field1},
       {"/indexer.v1.Indexer/ServerInfo", "indexer.v1.ServerInfoRequest", ""},
       {"/indexer.v1.Indexer/GetStats", "indexer.v1.GetStatsRequest", ""},
+      {"/indexer.v1.Indexer/RegisterSystemRegion", "indexer.v1.RegisterSystemRegionRequest",
+       kBadUtf8Field1},
+      {"/indexer.v1.Indexer/UnregisterRegion", "indexer.v1.UnregisterRegionRequest",
+       kBadUtf8Field1},
+      {"/indexer.v1.Indexer/ListRegions", "indexer.v1.ListRegionsRequest", kBadUtf8Field1},
       {"/indexer.v1.IndexerAdmin/Snapshot", "indexer.v1.SnapshotRequest", kBadUtf8Field1},
   };
 }

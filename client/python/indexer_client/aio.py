@@ -184,6 +184,7 @@ class AsyncBatchStream:
         self._call = stub.BatchStream(timeout=timeout, metadata=metadata)
         self._pending = collections.deque()
         self._send_lock = asyncio.Lock()  # one write at a time, in the order of _pending
+        self._max_in_flight = max_in_flight
         self._slots = asyncio.Semaphore(max_in_flight) if max_in_flight else None
         self._next_id = 1
         self._closing = False
@@ -195,13 +196,20 @@ class AsyncBatchStream:
         """Batches sent and not answered yet."""
         return len(self._pending)
 
-    async def submit(self, steps: Iterable[Step],
-                     return_exceptions: bool = False) -> asyncio.Future:
+    async def submit(self, steps: Iterable[Step], return_exceptions: bool = False,
+                     timeout: Optional[float] = None) -> asyncio.Future:
         """Sends one batch; returns a Future of its results. ValueError (nothing sent) for wrong
-        shapes; IndexerError when the stream has ended or is closed."""
+        shapes; IndexerError when the stream has ended or is closed, and DEADLINE_EXCEEDED
+        (nothing sent) when no slot freed within timeout seconds while max_in_flight batches
+        are unanswered (None: wait as long as it takes)."""
         request = batch_request(steps, 0, await self._shapes())
         if self._slots is not None:
-            await self._slots.acquire()
+            try:
+                await asyncio.wait_for(self._slots.acquire(), timeout)
+            except asyncio.TimeoutError:
+                raise IndexerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"{self._max_in_flight} batches still unanswered after "
+                                   f"{timeout} s (max_in_flight); this one was not sent") from None
         future = asyncio.get_running_loop().create_future()
         async with self._send_lock:
             if self._ended is not None or self._closing:
@@ -222,9 +230,13 @@ class AsyncBatchStream:
                    timeout: Optional[float] = None) -> List:
         """submit() and await the answer; a timeout as in BatchStream.step (DEADLINE_EXCEEDED;
         the batch may still be applied; the stream stays usable)."""
-        future = await self.submit(steps, return_exceptions)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        future = await self.submit(steps, return_exceptions, timeout)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
+            return await asyncio.wait_for(
+                asyncio.shield(future),
+                None if deadline is None else max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
             future.add_done_callback(_forget)
             raise IndexerError(grpc.StatusCode.DEADLINE_EXCEEDED,

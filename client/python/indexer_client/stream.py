@@ -11,6 +11,7 @@ Threads may share a stream: submit() from any thread; answers resolve in submiss
 import collections
 import concurrent.futures
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional
 
@@ -51,6 +52,7 @@ class BatchStream:
         self._shapes = shapes
         self._lock = threading.Lock()
         self._pending = collections.deque()  # _Pending, in the order they were sent
+        self._max_in_flight = max_in_flight
         self._slots = threading.Semaphore(max_in_flight) if max_in_flight else None
         self._next_id = 1
         self._closing = False
@@ -68,17 +70,23 @@ class BatchStream:
         with self._lock:
             return len(self._pending)
 
-    def submit(self, steps: Iterable[Step],
-               return_exceptions: bool = False) -> concurrent.futures.Future:
+    def submit(self, steps: Iterable[Step], return_exceptions: bool = False,
+               timeout: Optional[float] = None) -> concurrent.futures.Future:
         """Sends one batch; returns a Future of its results (as IndexerClient.batch returns them,
         or raising its IndexerError).
 
+        timeout: seconds to wait for a free slot when max_in_flight batches are unanswered
+        (None: as long as it takes).
+
         Raises ValueError, sending nothing, when a step's shapes are wrong; IndexerError when the
-        stream has ended or is closed.
+        stream has ended or is closed, and DEADLINE_EXCEEDED, sending nothing, when no slot
+        freed within timeout.
         """
         request = batch_request(steps, 0, self._shapes())
-        if self._slots is not None:
-            self._slots.acquire()
+        if self._slots is not None and not self._slots.acquire(timeout=timeout):
+            raise IndexerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"{self._max_in_flight} batches still unanswered after {timeout} s "
+                               "(max_in_flight); this one was not sent")
         future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()  # sent requests cannot be taken back
         with self._lock:
@@ -102,9 +110,11 @@ class BatchStream:
         and the stream stays usable; the batch was sent and may still be applied (check with
         get_sequence), and its answer is dropped when it comes.
         """
-        future = self.submit(steps, return_exceptions)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        future = self.submit(steps, return_exceptions, timeout)
         try:
-            return future.result(timeout)
+            return future.result(None if deadline is None
+                                 else max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             raise IndexerError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"no answer on the stream within {timeout} s; the batch may "

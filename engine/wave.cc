@@ -113,12 +113,11 @@ void Wave::Charge(Step& s) {
                          " of sequence '", seq.id, "' is not inside layer ", r.layer, "'s ", len,
                          " tokens; every position must be < the layer's length")));
     }
-    // Both backends hold a raw score per (row, visible block) while selecting.
-    const int64_t visible = kernels::VisibleBlocks(p0 + n - 1);
-    const int64_t scores = n * r.num_heads * visible;
+    const int64_t scores = kernels::SpanScores(n, r.num_heads, p0);
     if (scores > core_.config.max_select_scores) {
       return Fail(s, absl::ResourceExhaustedError(absl::StrCat(
-                         "the query span of ", n, " tokens x ", r.num_heads, " heads over ", visible,
+                         "the query span of ", n, " tokens x ", r.num_heads, " heads over ",
+                         kernels::VisibleBlocks(p0 + n - 1),
                          " blocks needs ", scores, " block scores; the limit is ",
                          core_.config.max_select_scores, ": split the span into smaller chunks")));
     }

@@ -50,9 +50,11 @@ inline constexpr int64_t VisibleBlocks(int64_t p) { return p / kBlockSize + 1; }
 
 // Raw block scores a span's selection holds while it runs, one per (token, head, visible block):
 // the cost every backend's scratch memory and every launch bound is measured in.
+inline constexpr int64_t SpanScores(int64_t num_tokens, int64_t num_heads, int64_t start_pos) {
+  return num_tokens * num_heads * VisibleBlocks(start_pos + num_tokens - 1);
+}
 inline constexpr int64_t SpanScores(const SpanSelect& span) {
-  return int64_t{span.num_tokens} * span.num_heads *
-         VisibleBlocks(span.start_pos + span.num_tokens - 1);
+  return SpanScores(span.num_tokens, span.num_heads, span.start_pos);
 }
 
 // Keys for `num_tokens` tokens of layers [layer_begin, layer_begin + layer_count) of one

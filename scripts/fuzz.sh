@@ -28,6 +28,7 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
   command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
   CC=clang CXX=clang++ cmake -S "$root" -B "$build" "${generator[@]}" \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DINDEXER_ENABLE_CUDA=OFF -DINDEXER_FUZZ=ON \
+    -DINDEXER_WERROR="${INDEXER_WERROR:-OFF}" \
     -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
 fi
 grep -q '^INDEXER_FUZZ:BOOL=ON' "$build/CMakeCache.txt" ||

@@ -16,7 +16,8 @@
 # script. Nothing is suppressed, except in scripts/tsan.supp (each entry says why). Extra
 # arguments go to ctest. The asan folder is also configured for libFuzzer (-DINDEXER_FUZZ=ON,
 # edge coverage), so scripts/fuzz.sh can reuse it (FUZZ_BUILD_DIR=build-asan) instead of
-# building the tree a third time.
+# building the tree a third time. INDEXER_WERROR=ON (CI) makes compiler warnings errors in a
+# folder configured afresh.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 mode=${1:-all}
@@ -31,7 +32,8 @@ configure() {  # folder, extra cmake arguments...
   shift
   [ -f "$build/CMakeCache.txt" ] && return 0
   CC=clang CXX=clang++ cmake -S "$root" -B "$build" "${generator[@]}" \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DINDEXER_ENABLE_CUDA=OFF "$@"
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DINDEXER_ENABLE_CUDA=OFF \
+    -DINDEXER_WERROR="${INDEXER_WERROR:-OFF}" "$@"
 }
 
 run_asan() {

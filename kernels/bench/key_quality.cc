@@ -33,7 +33,7 @@ namespace k = indexer::kernels;
 constexpr int kD = 128;
 constexpr int kTopk = 16;
 constexpr int kRank = 8;
-constexpr int kOutlierChannels = 4;
+constexpr int kOutlierChannels = 4;  // spread over the key, in different fp4 groups
 
 enum class Kind { kNormal, kOutliers, kLowRank };
 
@@ -70,8 +70,8 @@ Inputs Draw(Kind kind, int64_t len, int queries, std::mt19937_64& rng) {
       continue;
     }
     for (int d = 0; d < kD; ++d) {
-      // Outlier channels spread over the key: 5, 37, 69, 101 (different fp4 groups).
-      const bool outlier = kind == Kind::kOutliers && d % 32 == 5;
+      // Outlier channels 5, 37, 69, 101 at head_dim 128.
+      const bool outlier = kind == Kind::kOutliers && d % (kD / kOutlierChannels) == 5;
       key[d] = k::FloatToBf16(normal(rng) * (outlier ? 10.0f : 1.0f));
     }
   }

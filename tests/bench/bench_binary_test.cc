@@ -23,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "server/indexer_server.h"
 #include "server/server_options.h"
+#include "tests/bench/json_fields.h"
 #include "tests/testing/child_process.h"
 #include "tests/testing/server_config.h"
 
@@ -111,21 +112,8 @@ BenchRun RunBench(const std::vector<std::string>& args,
   return WaitBench(run, timeout);
 }
 
-Struct ParseJson(const std::string& text) {
-  Struct s;
-  const auto status = google::protobuf::util::JsonStringToMessage(text, &s);
-  EXPECT_TRUE(status.ok()) << status.ToString();
-  return s;
-}
-
-const Value& F(const Struct& s, const std::string& key) {
-  static const Value kMissing;
-  const auto it = s.fields().find(key);
-  EXPECT_TRUE(it != s.fields().end()) << "no field " << key;
-  return it == s.fields().end() ? kMissing : it->second;
-}
-double N(const Struct& s, const std::string& key) { return F(s, key).number_value(); }
-const Struct& S(const Struct& s, const std::string& key) { return F(s, key).struct_value(); }
+double N(const Struct& s, const std::string& key) { return Field(s, key).number_value(); }
+const Struct& S(const Struct& s, const std::string& key) { return Field(s, key).struct_value(); }
 
 class BenchBinaryTest : public ::testing::Test {
  protected:
@@ -179,7 +167,7 @@ class BenchBinaryTest : public ::testing::Test {
 
   // The one stage of a JSON report, checked for the invariants every run has.
   static Struct CheckedStage(const Struct& report, int index) {
-    const auto& stages = F(report, "stages").list_value();
+    const auto& stages = Field(report, "stages").list_value();
     EXPECT_GT(stages.values_size(), index);
     if (stages.values_size() <= index) return Struct();
     const Struct& st = stages.values(index).struct_value();
@@ -188,7 +176,7 @@ class BenchBinaryTest : public ::testing::Test {
     EXPECT_EQ(N(requests, "errors"), 0);
     const Struct& check = S(st, "correctness");
     EXPECT_GT(N(check, "responses"), 0);
-    EXPECT_EQ(N(check, "mismatches"), 0) << F(check, "first_mismatches").DebugString();
+    EXPECT_EQ(N(check, "mismatches"), 0) << Field(check, "first_mismatches").DebugString();
     EXPECT_EQ(N(S(st, "sequences"), "started"), N(S(st, "sequences"), "released"));
     EXPECT_GT(N(S(st, "latency_ms"), "p50"), 0);
     EXPECT_LE(N(S(st, "latency_ms"), "p50"), N(S(st, "latency_ms"), "p99"));
@@ -231,9 +219,9 @@ TEST_F(BenchBinaryTest, ClosedLoopBatchTwoServersChecked) {
   EXPECT_THAT(r.out, HasSubstr("0 mismatches"));
   EXPECT_THAT(r.out, HasSubstr("p99.9"));
   const Struct report = ParseJson(ReadFile(json));
-  EXPECT_EQ(F(report, "servers").list_value().values_size(), 2);
+  EXPECT_EQ(Field(report, "servers").list_value().values_size(), 2);
   const Struct st = CheckedStage(report, 0);
-  EXPECT_EQ(F(st, "mode").string_value(), "closed");
+  EXPECT_EQ(Field(st, "mode").string_value(), "closed");
   EXPECT_GT(N(S(S(st, "operations"), "truncate"), "ok"), 0);  // speculative tokens rolled back
   EXPECT_GT(N(S(S(st, "operations"), "prefill"), "tokens"), 0);
   EXPECT_GT(N(S(st, "requests"), "warmup_excluded"), 0);
@@ -251,8 +239,8 @@ TEST_F(BenchBinaryTest, OpenLoopUnaryKeepsTheRate) {
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const Struct report = ParseJson(ReadFile(json));
   const Struct st = CheckedStage(report, 0);
-  EXPECT_EQ(F(st, "mode").string_value(), "open");
-  EXPECT_EQ(F(st, "arrivals").string_value(), "poisson");
+  EXPECT_EQ(Field(st, "mode").string_value(), "open");
+  EXPECT_EQ(Field(st, "arrivals").string_value(), "poisson");
   // Poisson over 2 s at 150/s: about 300 +- 17 requests; allow for slow machines.
   EXPECT_NEAR(N(st, "throughput_rps"), 150, 40);
   EXPECT_GT(N(S(st, "send_lag_ms"), "count"), 0);
@@ -268,11 +256,11 @@ TEST_F(BenchBinaryTest, SweepWritesEveryReport) {
              "--csv=" + dir + "/sweep.csv", "--html=" + dir + "/sweep.html"}));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const Struct report = ParseJson(ReadFile(dir + "/sweep.json"));
-  EXPECT_EQ(F(report, "stages").list_value().values_size(), 2);
+  EXPECT_EQ(Field(report, "stages").list_value().values_size(), 2);
   CheckedStage(report, 0);
   const Struct second = CheckedStage(report, 1);
   EXPECT_EQ(N(second, "concurrency"), 2);
-  EXPECT_EQ(F(S(report, "sweep"), "kind").string_value(), "concurrency");
+  EXPECT_EQ(Field(S(report, "sweep"), "kind").string_value(), "concurrency");
   const std::vector<std::string> csv =
       absl::StrSplit(ReadFile(dir + "/sweep.csv"), '\n', absl::SkipEmpty());
   EXPECT_EQ(csv.size(), 3u);
@@ -320,7 +308,7 @@ TEST_F(BenchBinaryTest, RewindKeepsTheLengthAndServerStatsCoverTheWindow) {
   EXPECT_LE(truncates, all / 5 + 3);
 
   const Struct& server = S(st, "server_stats");
-  ASSERT_TRUE(F(server, "available").bool_value()) << F(server, "note").string_value();
+  ASSERT_TRUE(Field(server, "available").bool_value()) << Field(server, "note").string_value();
   EXPECT_GT(N(server, "backend_selections"), 0);
   EXPECT_GT(N(server, "backend_select_mean_us"), 0);
   EXPECT_GT(N(server, "backend_select_us_per_request"), 0);
@@ -343,7 +331,7 @@ TEST_F(BenchBinaryTest, RewindKeepsTheLengthAndServerStatsCoverTheWindow) {
 
   r = RunBench(Small({"--duration=500ms", "--warmup=100ms", "--noserver_stats", "--json=" + json}));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_FALSE(F(S(CheckedStage(ParseJson(ReadFile(json)), 0), "server_stats"), "available")
+  EXPECT_FALSE(Field(S(CheckedStage(ParseJson(ReadFile(json)), 0), "server_stats"), "available")
                    .bool_value());
 }
 
@@ -426,7 +414,7 @@ TEST_F(BenchBinaryTest, InterruptWritesTheReportsAndFails) {
   EXPECT_THAT(r.out, HasSubstr("interrupted by SIGINT"));
   EXPECT_THAT(r.err, HasSubstr("interrupted"));
   const Struct report = ParseJson(ReadFile(json));
-  EXPECT_THAT(F(S(report, "sweep"), "stop_reason").string_value(), HasSubstr("interrupted"));
+  EXPECT_THAT(Field(S(report, "sweep"), "stop_reason").string_value(), HasSubstr("interrupted"));
   CheckedStage(report, 0);
   ExpectAllReleased();
 }
@@ -457,9 +445,9 @@ TEST_F(BenchBinaryTest, UnreachableServerBacksOffAndEnds) {
   EXPECT_THAT(r.err, HasSubstr("could not be reached"));
   EXPECT_LT(after, absl::Seconds(15));  // ended by the outage, not by --duration
   const Struct report = ParseJson(ReadFile(json));
-  const Struct& stage = F(report, "stages").list_value().values(0).struct_value();
-  EXPECT_THAT(F(stage, "stop_reason").string_value(), HasSubstr("could not be reached for"));
-  EXPECT_THAT(F(S(report, "sweep"), "stop_reason").string_value(),
+  const Struct& stage = Field(report, "stages").list_value().values(0).struct_value();
+  EXPECT_THAT(Field(stage, "stop_reason").string_value(), HasSubstr("could not be reached for"));
+  EXPECT_THAT(Field(S(report, "sweep"), "stop_reason").string_value(),
               HasSubstr("could not be reached"));
   // Three workers backing off from 10 ms to 1 s over 1.5 s fail a few dozen calls, not tens of
   // thousands.
@@ -467,7 +455,7 @@ TEST_F(BenchBinaryTest, UnreachableServerBacksOffAndEnds) {
   EXPECT_GT(N(S(stage, "requests"), "ok"), 0);
   // Among the first errors (calls the shutdown cancelled may come first): UNAVAILABLE.
   std::string errors;
-  for (const Value& e : F(stage, "first_errors").list_value().values()) {
+  for (const Value& e : Field(stage, "first_errors").list_value().values()) {
     errors += e.string_value() + "\n";
     // "CODE: message", and the message says what went wrong.
     const size_t colon = e.string_value().find(": ");
@@ -485,8 +473,8 @@ TEST_F(BenchBinaryTest, SweepSaysWhyItStopped) {
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("sweep stopped: stage 1 (concurrency 1): p99 "));
   const Struct report = ParseJson(ReadFile(json));
-  EXPECT_EQ(F(report, "stages").list_value().values_size(), 1);
-  EXPECT_THAT(F(S(report, "sweep"), "stop_reason").string_value(), HasSubstr("> 0.001 ms"));
+  EXPECT_EQ(Field(report, "stages").list_value().values_size(), 1);
+  EXPECT_THAT(Field(S(report, "sweep"), "stop_reason").string_value(), HasSubstr("> 0.001 ms"));
   ExpectAllReleased();
 }
 
@@ -511,7 +499,7 @@ TEST_F(BenchBinaryTest, ReplaysATrace) {
   EXPECT_GE(N(st, "wall_s"), 0.45);
   // 28 steps in all, one request per step of each live batch: at least 28 / 2 requests.
   EXPECT_GE(N(S(st, "requests"), "ok"), 14);
-  EXPECT_THAT(F(S(report, "workload"), "trace").string_value(), HasSubstr("6 sequences"));
+  EXPECT_THAT(Field(S(report, "workload"), "trace").string_value(), HasSubstr("6 sequences"));
   EXPECT_EQ(RunBench(Small({"--trace=/no/such/trace"})).code, 2);
   ExpectAllReleased();
 }
@@ -527,8 +515,8 @@ TEST_F(BenchBinaryTest, ReplaysRequestIntervals) {
                                      "--layers=1", "--json=" + json}));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const Struct st = CheckedStage(ParseJson(ReadFile(json)), 0);
-  EXPECT_EQ(F(st, "mode").string_value(), "open");
-  EXPECT_EQ(F(st, "label").string_value(), "replayed intervals (100/s)");
+  EXPECT_EQ(Field(st, "mode").string_value(), "open");
+  EXPECT_EQ(Field(st, "label").string_value(), "replayed intervals (100/s)");
   EXPECT_NEAR(N(st, "throughput_rps"), 100, 30);
   EXPECT_GT(N(S(st, "send_lag_ms"), "count"), 0);
   EXPECT_EQ(RunBench(Small({"--arrivals=file:" + path, "--rate=10"})).code, 2);
@@ -569,7 +557,7 @@ TEST_F(BenchBinaryTest, SharedMemoryAnswersAreExact) {
     ASSERT_EQ(r.code, 0) << r.out << r.err;
     EXPECT_THAT(r.err, Not(HasSubstr("sends inline")));
     const Struct report = ParseJson(ReadFile(json));
-    EXPECT_EQ(F(S(report, "workload"), "tensors").string_value(),
+    EXPECT_EQ(Field(S(report, "workload"), "tensors").string_value(),
               "by reference (system shared memory)");
     CheckedStage(report, 0);
   }
@@ -589,11 +577,11 @@ TEST_F(BenchBinaryTest, StabilityCheckExtendsAndWarns) {
   EXPECT_THAT(r.out, HasSubstr("warning: the stage (concurrency 1) did not settle"));
   const Struct st = CheckedStage(ParseJson(ReadFile(json)), 0);
   const Struct& v = S(st, "stability");
-  EXPECT_TRUE(F(v, "checked").bool_value());
-  EXPECT_FALSE(F(v, "stable").bool_value());
+  EXPECT_TRUE(Field(v, "checked").bool_value());
+  EXPECT_FALSE(Field(v, "stable").bool_value());
   EXPECT_EQ(N(v, "extensions"), 3);  // 600 ms + 3 windows of 200 ms = 1200 ms
   EXPECT_NEAR(N(st, "measured_s"), 1.2, 0.25);
-  EXPECT_EQ(F(v, "windows").list_value().values_size(), 3);
+  EXPECT_EQ(Field(v, "windows").list_value().values_size(), 3);
 
   r = RunBench(Small({"--sweep=concurrency:1,1", "--stability=0.0001", "--duration=400ms",
                       "--warmup=100ms"}));
@@ -618,7 +606,7 @@ TEST_F(BenchBinaryTest, UnixSocketTarget) {
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const Struct report = ParseJson(ReadFile(json));
   CheckedStage(report, 0);
-  EXPECT_EQ(F(F(report, "servers").list_value().values(0).struct_value(), "target").string_value(),
+  EXPECT_EQ(Field(Field(report, "servers").list_value().values(0).struct_value(), "target").string_value(),
             "unix:" + socket);
   local->Shutdown(absl::Seconds(1));
   unlink(socket.c_str());

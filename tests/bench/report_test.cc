@@ -13,6 +13,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "client/bench/svg_chart.h"
+#include "tests/bench/json_fields.h"
 #include "tests/bench/sample_report.h"
 
 namespace indexer::bench {
@@ -20,20 +21,6 @@ namespace {
 
 using google::protobuf::Struct;
 using google::protobuf::Value;
-
-Struct ParseJson(const std::string& text) {
-  Struct s;
-  const auto status = google::protobuf::util::JsonStringToMessage(text, &s);
-  EXPECT_TRUE(status.ok()) << status.ToString() << "\n" << text.substr(0, 2000);
-  return s;
-}
-
-const Value& Field(const Struct& s, const std::string& key) {
-  static const Value kMissing;
-  const auto it = s.fields().find(key);
-  EXPECT_TRUE(it != s.fields().end()) << "no field " << key;
-  return it == s.fields().end() ? kMissing : it->second;
-}
 
 int Count(const std::string& text, const std::string& what) {
   int n = 0;

@@ -496,12 +496,8 @@ TEST_F(EngineTest, LayerHeadsTopkAndIdsOutOfRange) {
   // An append whose sequence_id differs from the step's.
   const std::string k = Bytes(Keys(1));
   const std::string q = Bytes(Keys(1));
-  StepRequest mismatch;
-  mismatch.sequence_id = "a";
-  mismatch.append = AppendRequest{"b", 0, false, WireDtype::kBf16, k, {}};
-  mismatch.num_heads = 1;
-  mismatch.query_dtype = WireDtype::kBf16;
-  mismatch.queries = q;
+  StepRequest mismatch = Bf16Select("a", 0, 1, q);
+  mismatch.append = Bf16Append("b", 0, k);
   EXPECT_STATUS(engine_->Select(mismatch).status(), kInvalidArgument, "sequence_id");
   ExpectUnchanged(before);
   // Huge init/local counts are valid and mean "every block".

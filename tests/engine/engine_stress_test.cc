@@ -33,17 +33,14 @@
 #include "absl/strings/str_cat.h"
 #include "engine/engine.h"
 #include "tests/engine/engine_test_util.h"
+#include "tests/testing/test_seed.h"
 
 namespace indexer::testing {
 namespace {
 
 using engine::SequenceInfo;
 
-uint64_t TestSeed() {
-  if (const char* env = std::getenv("INDEXER_TEST_SEED")) return std::strtoull(env, nullptr, 10);
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
+using ::indexer::testing::TestSeed;
 
 int64_t Uniform(std::mt19937_64& rng, int64_t lo, int64_t hi) {
   return std::uniform_int_distribution<int64_t>(lo, hi)(rng);

@@ -448,12 +448,8 @@ TEST_F(EngineBatchingTest, ACallOnABusySequenceWaitsWithoutAThreadAndSeesTheEarl
 
   Step second{RandomBf16(rng_, config_.head_dim), RandomBf16(rng_, config_.head_dim)};
   const std::string keys = Bytes(second.key), queries = Bytes(second.query);
-  StepRequest r;
-  r.sequence_id = "a";
-  r.append = AppendRequest{"", 0, false, WireDtype::kBf16, keys, {}};
-  r.num_heads = 1;
-  r.query_dtype = WireDtype::kBf16;
-  r.queries = queries;
+  StepRequest r = Bf16Select("a", 0, 1, queries);
+  r.append = Bf16Append("", 0, keys);
   std::promise<std::vector<absl::StatusOr<StepResult>>> answered;
   std::future<std::vector<absl::StatusOr<StepResult>>> got = answered.get_future();
   const engine::CallControl control;

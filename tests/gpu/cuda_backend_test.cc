@@ -16,6 +16,7 @@
 #include "kernels/numeric.h"
 #include "tests/testing/bf16.h"
 #include "tests/testing/gpu_test.h"
+#include "tests/testing/storages.h"
 
 namespace indexer::engine {
 namespace {
@@ -151,10 +152,8 @@ TEST_P(CudaBackendTest, SameAnswersAsCpuBackend) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Storage, CudaBackendTest,
-                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3,
-                                           kernels::KeyStorage::kFp4E2M1),
-                         [](const auto& info) { return std::string(kernels::KeyStorageName(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Storage, CudaBackendTest, ::indexer::testing::EveryStorage(),
+                         ::indexer::testing::StorageTestName);
 
 }  // namespace
 }  // namespace indexer::engine

@@ -63,13 +63,7 @@ class GpuSelectTest : public GpuTest {
       const SpanCase& s = c.spans[i];
       const int rows = s.num_tokens * s.num_heads;
       kernels::SpanSelect& h = staged[i].host;
-      h.block_table = s.block_table.data();
-      h.attn_pages = s.attn ? s.attn_pages.data() : nullptr;
-      h.start_pos = s.start_pos;
-      h.num_tokens = s.num_tokens;
-      h.num_heads = s.num_heads;
-      h.queries = s.queries.data();
-      h.params = s.params;
+      h = SpanInputs(s);
       h.block_ids = got_ids.data() + ids_off[i];
       h.page_table = s.attn ? got_table.data() + table_off[i] : nullptr;
       h.context_lens = s.attn ? got_ctx.data() + ctx_off[i] : nullptr;

@@ -73,14 +73,7 @@ void BuildCase(PoolCase& c, std::mt19937_64& rng) {
       for (auto& a : s.attn_pages) a = static_cast<int32_t>(rng() % 100000);
     }
     const kernels::KeyPoolView view{c.pool.data(), c.storage, d};
-    kernels::SpanSelect span;
-    span.block_table = s.block_table.data();
-    span.attn_pages = s.attn ? s.attn_pages.data() : nullptr;
-    span.start_pos = s.start_pos;
-    span.num_tokens = s.num_tokens;
-    span.num_heads = s.num_heads;
-    span.queries = s.queries.data();
-    span.params = s.params;
+    kernels::SpanSelect span = SpanInputs(s);
     s.ref_ids.assign(static_cast<size_t>(rows) * s.params.topk, 0);
     span.block_ids = s.ref_ids.data();
     if (s.attn) {
@@ -94,6 +87,18 @@ void BuildCase(PoolCase& c, std::mt19937_64& rng) {
     s.ref_raw.assign(static_cast<size_t>(rows) * v, 0.0f);
     kernels::ScoreBlocks(view, span, 0, v, s.ref_raw.data(), v);
   }
+}
+
+kernels::SpanSelect SpanInputs(const SpanCase& s) {
+  kernels::SpanSelect span;
+  span.block_table = s.block_table.data();
+  span.attn_pages = s.attn ? s.attn_pages.data() : nullptr;
+  span.start_pos = s.start_pos;
+  span.num_tokens = s.num_tokens;
+  span.num_heads = s.num_heads;
+  span.queries = s.queries.data();
+  span.params = s.params;
+  return span;
 }
 
 std::string CheckSpan(const PoolCase& c, const SpanCase& s, const int32_t* ids,

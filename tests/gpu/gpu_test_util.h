@@ -53,6 +53,10 @@ SpanCase RandomSpan(std::mt19937_64& rng, int64_t max_len, int max_n, int max_ro
 // runs the reference. `rng` is seeded by the caller (printed on failure).
 void BuildCase(PoolCase& c, std::mt19937_64& rng);
 
+// The span's inputs as a selection (block table, attention pages when it asks for a page table,
+// positions, queries, params); its outputs are left null for the caller to point.
+kernels::SpanSelect SpanInputs(const SpanCase& s);
+
 // Checks one span's device answers against its reference. Returns "" when they agree, else a
 // description of the first disagreement.
 std::string CheckSpan(const PoolCase& c, const SpanCase& s, const int32_t* ids,

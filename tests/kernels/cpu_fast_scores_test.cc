@@ -15,6 +15,7 @@
 #include "kernels/cpu_reference.h"
 #include "kernels/numeric.h"
 #include "tests/testing/host_key_pool.h"
+#include "tests/testing/test_seed.h"
 
 namespace indexer::kernels {
 namespace {
@@ -23,14 +24,10 @@ using ::indexer::testing::BlocksFor;
 using ::indexer::testing::HostKeyPool;
 using ::indexer::testing::ShuffledTable;
 
-uint64_t Seed() {
-  if (const char* env = std::getenv("INDEXER_TEST_SEED")) return std::strtoull(env, nullptr, 10);
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
+using ::indexer::testing::TestSeed;
 
 TEST(CpuFastScoresTest, EveryRawScoreEqualsTheReferenceBitForBit) {
-  const uint64_t seed = Seed();
+  const uint64_t seed = TestSeed();
   std::mt19937_64 rng(seed);
   const auto uniform = [&](int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);

@@ -24,6 +24,7 @@
 #include "kernels/select_types.h"
 #include "tests/kernels/naive_reference.h"
 #include "tests/testing/host_key_pool.h"
+#include "tests/testing/test_seed.h"
 
 namespace indexer::kernels {
 namespace {
@@ -36,11 +37,7 @@ using ::indexer::testing::RunSelectSpan;
 using ::indexer::testing::ShuffledTable;
 using ::indexer::testing::SpanResult;
 
-uint64_t TestSeed() {
-  if (const char* env = std::getenv("INDEXER_TEST_SEED")) return std::strtoull(env, nullptr, 10);
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
+using ::indexer::testing::TestSeed;
 
 struct Trial {
   int head_dim = 128;

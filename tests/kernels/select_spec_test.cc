@@ -16,6 +16,7 @@
 #include "kernels/numeric.h"
 #include "kernels/select_types.h"
 #include "tests/testing/host_key_pool.h"
+#include "tests/testing/storages.h"
 
 namespace indexer::kernels {
 namespace {
@@ -132,10 +133,8 @@ TEST_P(WorkedExampleEndToEnd, SelectSpanFromKeys) {
   EXPECT_EQ(r.context_lens, (Ids{345}));
 }
 
-INSTANTIATE_TEST_SUITE_P(Storage, WorkedExampleEndToEnd,
-                         ::testing::Values(KeyStorage::kBf16, KeyStorage::kFp8E4M3,
-                                           KeyStorage::kFp4E2M1),
-                         [](const auto& info) { return std::string(KeyStorageName(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Storage, WorkedExampleEndToEnd, ::indexer::testing::EveryStorage(),
+                         ::indexer::testing::StorageTestName);
 
 // ---------------------------------------------------------------------------------------------
 // Visibility at block boundaries, and spans where each token is causal on its own
@@ -509,10 +508,8 @@ TEST_P(PrefillChunk, ThreeHundredTokensAcrossBlocksWithThreeHeads) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Storage, PrefillChunk,
-                         ::testing::Values(KeyStorage::kBf16, KeyStorage::kFp8E4M3,
-                                           KeyStorage::kFp4E2M1),
-                         [](const auto& info) { return std::string(KeyStorageName(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Storage, PrefillChunk, ::indexer::testing::EveryStorage(),
+                         ::indexer::testing::StorageTestName);
 
 // ---------------------------------------------------------------------------------------------
 // Page tables with other shapes

@@ -1,8 +1,15 @@
-"""Assertions the Python client tests share: sequences released after each test, and calls that
-must fail with a given gRPC code. A mixin for unittest.TestCase classes that set `self.client`."""
+"""What the Python client tests share: small-integer inputs, and a mixin of assertions for
+unittest.TestCase classes that set `self.client` (sequences released after each test, calls that
+must fail with a given gRPC code)."""
 import grpc
+import numpy as np
 
 from indexer_client import IndexerError
+
+
+def small_ints(rng, *shape, low=-8, high=8):
+    """Small integers as float32: exact in bf16, and their dot products are exact in fp32."""
+    return rng.integers(low, high + 1, size=shape).astype(np.float32)
 
 
 class ClientChecks:

@@ -67,3 +67,31 @@ class Server:
         finally:
             self._reader.join(5)
             self.proc.stdout.close()
+
+
+class ModuleServer:
+    """The one indexer-server of a test module, started by setUpModule and checked at its end:
+
+        server = ModuleServer()
+        setUpModule, tearDownModule = server.start, server.stop_checked
+
+    Its attributes (target, port, log, ...) are the running Server's."""
+
+    def __init__(self, **kwargs):
+        self._kwargs = kwargs
+        self._server = None
+
+    def start(self):
+        self._server = Server(**self._kwargs)
+
+    def stop_checked(self):
+        """Stops the server; AssertionError, with its log's end, unless it exited 0."""
+        status = self._server.stop()
+        if status != 0:
+            raise AssertionError(f"indexer-server exited with {status} after SIGTERM (want 0):\n"
+                                 + "".join(self._server.log[-20:]))
+
+    def __getattr__(self, name):
+        if self._server is None:
+            raise AttributeError(f"the module's server is not started (no {name})")
+        return getattr(self._server, name)

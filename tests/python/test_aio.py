@@ -20,26 +20,17 @@ sys.path.insert(0, HERE)
 
 from indexer_client import (AppendResult, AsyncIndexerClient, IndexerClient, IndexerError,  # noqa: E402
                             Selection, ServerInfo, Step, reference_select)
-from server_process import HEAD_DIM, LAYERS, Server  # noqa: E402
+from client_checks import small_ints  # noqa: E402
+from server_process import HEAD_DIM, LAYERS, ModuleServer, Server  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(HERE)), "client", "python", "examples")
 rng = np.random.default_rng(99)
-server = None  # set by setUpModule
+server = ModuleServer()
+setUpModule, tearDownModule = server.start, server.stop_checked
 
 
-def setUpModule():
-    global server
-    server = Server()
-
-
-def tearDownModule():
-    status = server.stop()
-    if status != 0:
-        raise AssertionError(f"indexer-server exited with {status}:\n" + "".join(server.log[-20:]))
-
-
-def ints(*shape):
-    return rng.integers(-8, 9, size=shape).astype(np.float32)
+def ints(*shape, low=-8, high=8):
+    return small_ints(rng, *shape, low=low, high=high)
 
 
 class AsyncClientTest(unittest.TestCase):

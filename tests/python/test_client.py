@@ -34,28 +34,16 @@ try:
 except ImportError as e:
     sys.exit(f"test_client.py: {e}\n(PYTHONPATH must hold the installed package: ctest sets "
              "PYTHONPATH=<build>/python, where the build installs it)")
-from client_checks import ClientChecks  # noqa: E402
-from server_process import CAPACITY, HEAD_DIM, LAYERS, Server, server_binary  # noqa: E402
+from client_checks import ClientChecks, small_ints  # noqa: E402
+from server_process import CAPACITY, HEAD_DIM, LAYERS, ModuleServer, Server, server_binary  # noqa: E402
 
 rng = np.random.default_rng(1234)
-server = None  # the running server, set by setUpModule
-
-
-def setUpModule():
-    global server
-    server = Server()
-
-
-def tearDownModule():
-    status = server.stop()
-    if status != 0:
-        raise AssertionError(f"indexer-server exited with {status} after SIGTERM (want 0):\n"
-                             + "".join(server.log[-20:]))
+server = ModuleServer()
+setUpModule, tearDownModule = server.start, server.stop_checked
 
 
 def ints(*shape, low=-8, high=8):
-    """Small integers as float32: exact in bf16, and their dot products are exact in fp32."""
-    return rng.integers(low, high + 1, size=shape).astype(np.float32)
+    return small_ints(rng, *shape, low=low, high=high)
 
 
 class IndexerClientTest(ClientChecks, unittest.TestCase):

@@ -26,29 +26,18 @@ sys.path.insert(0, HERE)
 from indexer_client import (AsyncIndexerClient, IndexerClient, IndexerError, OutputRefs,  # noqa: E402
                             RegionRef, RegionStatus, Step, SystemRegion, TensorRef,
                             reference_select, round_to_bf16)
-from client_checks import ClientChecks  # noqa: E402
-from server_process import HEAD_DIM, LAYERS, Server  # noqa: E402
+from client_checks import ClientChecks, small_ints  # noqa: E402
+from server_process import HEAD_DIM, LAYERS, ModuleServer  # noqa: E402
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 SENTINEL = -7  # what output areas hold before a call writes them
 rng = np.random.default_rng(4321)
-server = None  # set by setUpModule
+server = ModuleServer()
+setUpModule, tearDownModule = server.start, server.stop_checked
 
 
-def setUpModule():
-    global server
-    server = Server()
-
-
-def tearDownModule():
-    status = server.stop()
-    if status != 0:
-        raise AssertionError(f"indexer-server exited with {status}:\n" + "".join(server.log[-20:]))
-
-
-def ints(*shape):
-    """Small integers as float32: exact in bf16, with exact fp32 dot products."""
-    return rng.integers(-8, 9, size=shape).astype(np.float32)
+def ints(*shape, low=-8, high=8):
+    return small_ints(rng, *shape, low=low, high=high)
 
 
 def aligned(offset: int) -> int:

@@ -14,6 +14,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from client_checks import ClientChecks  # noqa: E402
 from server_process import Server  # noqa: E402
 
 import grpc  # noqa: E402
@@ -65,7 +66,7 @@ def tearDownModule():
     tmp.cleanup()
 
 
-class TlsTokenTest(unittest.TestCase):
+class TlsTokenTest(ClientChecks, unittest.TestCase):
     def setUp(self):
         self.target = f"127.0.0.1:{servers['tls'].port}"
 
@@ -73,12 +74,6 @@ class TlsTokenTest(unittest.TestCase):
         c = IndexerClient(self.target, timeout=5, **kwargs)
         self.addCleanup(c.close)
         return c
-
-    def assertCode(self, code, fn, *args, **kwargs):
-        with self.assertRaises(IndexerError) as caught:
-            fn(*args, **kwargs)
-        self.assertEqual(caught.exception.code, code, str(caught.exception))
-        return caught.exception
 
     def test_plain_client_is_refused(self):
         self.assertCode(grpc.StatusCode.UNAVAILABLE, self.client().server_info)

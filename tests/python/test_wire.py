@@ -296,22 +296,7 @@ class WireTest(unittest.TestCase):
     def test_every_method_sends_its_timeout(self):
         c = self.client
         c.server_info(timeout=7)
-        calls = {
-            "AppendKeys": lambda t: c.append_keys("t", floats(1, HEAD_DIM), timeout=t),
-            "SelectBlocks": lambda t: c.select_blocks("t", floats(1, 1, HEAD_DIM), timeout=t),
-            "Batch": lambda t: c.batch([Step("t", keys=floats(1, HEAD_DIM))], timeout=t),
-            "ReleaseSequence": lambda t: c.release("t", timeout=t),
-            "TruncateSequence": lambda t: c.truncate("t", 1, timeout=t),
-            "ForkSequence": lambda t: c.fork("t", "u", timeout=t),
-            "GetSequence": lambda t: c.get_sequence("t", timeout=t),
-            "ServerInfo": lambda t: c.server_info(timeout=t),
-            "GetStats": lambda t: c.get_stats(timeout=t),
-            "Snapshot": lambda t: c.snapshot("s", timeout=t),
-            "Check": lambda t: c.health(timeout=t),
-            "RegisterSystemRegion": lambda t: c.register_system_region("r", "/k", 8, timeout=t),
-            "UnregisterRegion": lambda t: c.unregister_region("r", timeout=t),
-            "ListRegions": lambda t: c.list_regions(timeout=t),
-        }
+        calls = timed_calls(c)
         check_deadlines(self, calls)
         self.assertEqual(c.snapshot("s").path, "/x/s")
 
@@ -329,6 +314,27 @@ class WireTest(unittest.TestCase):
 def no_deadline(seconds_left) -> bool:
     # grpc's server reports a call without a deadline as None or as about 2**63 seconds.
     return seconds_left is None or seconds_left > 1e9
+
+
+def timed_calls(c):
+    """One call of every method of client `c` (blocking or asyncio: a lambda returns what the
+    method returns), by the gRPC method it makes, each with timeout=t."""
+    return {
+        "AppendKeys": lambda t: c.append_keys("t", floats(1, HEAD_DIM), timeout=t),
+        "SelectBlocks": lambda t: c.select_blocks("t", floats(1, 1, HEAD_DIM), timeout=t),
+        "Batch": lambda t: c.batch([Step("t", keys=floats(1, HEAD_DIM))], timeout=t),
+        "ReleaseSequence": lambda t: c.release("t", timeout=t),
+        "TruncateSequence": lambda t: c.truncate("t", 1, timeout=t),
+        "ForkSequence": lambda t: c.fork("t", "u", timeout=t),
+        "GetSequence": lambda t: c.get_sequence("t", timeout=t),
+        "ServerInfo": lambda t: c.server_info(timeout=t),
+        "GetStats": lambda t: c.get_stats(timeout=t),
+        "Snapshot": lambda t: c.snapshot("s", timeout=t),
+        "Check": lambda t: c.health(timeout=t),
+        "RegisterSystemRegion": lambda t: c.register_system_region("r", "/k", 8, timeout=t),
+        "UnregisterRegion": lambda t: c.unregister_region("r", timeout=t),
+        "ListRegions": lambda t: c.list_regions(timeout=t),
+    }
 
 
 # Each timeout= given, and what the server must see of it (the client's default is 30 s).
@@ -475,23 +481,7 @@ class AsyncWireTest(unittest.TestCase):
     def test_every_method_sends_its_timeout(self):
         async def test(c):
             await c.server_info()
-            calls = {
-                "AppendKeys": lambda t: c.append_keys("t", floats(1, HEAD_DIM), timeout=t),
-                "SelectBlocks": lambda t: c.select_blocks("t", floats(1, 1, HEAD_DIM), timeout=t),
-                "Batch": lambda t: c.batch([Step("t", keys=floats(1, HEAD_DIM))], timeout=t),
-                "ReleaseSequence": lambda t: c.release("t", timeout=t),
-                "TruncateSequence": lambda t: c.truncate("t", 1, timeout=t),
-                "ForkSequence": lambda t: c.fork("t", "u", timeout=t),
-                "GetSequence": lambda t: c.get_sequence("t", timeout=t),
-                "ServerInfo": lambda t: c.server_info(timeout=t),
-                "GetStats": lambda t: c.get_stats(timeout=t),
-                "Snapshot": lambda t: c.snapshot("s", timeout=t),
-                "Check": lambda t: c.health(timeout=t),
-                "RegisterSystemRegion": lambda t: c.register_system_region("r", "/k", 8,
-                                                                           timeout=t),
-                "UnregisterRegion": lambda t: c.unregister_region("r", timeout=t),
-                "ListRegions": lambda t: c.list_regions(timeout=t),
-            }
+            calls = timed_calls(c)
             for method, call in calls.items():
                 for timeout, ok in DEADLINES:
                     fake.servicer.reset()

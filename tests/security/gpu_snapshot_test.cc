@@ -16,6 +16,7 @@
 #include "tests/testing/engine_requests.h"
 #include "tests/testing/files.h"
 #include "tests/testing/gpu_test.h"
+#include "tests/testing/storages.h"
 
 namespace indexer::engine {
 namespace {
@@ -127,10 +128,8 @@ TEST_P(GpuSnapshotTest, SnapshotsMatchAndRestoreAcrossBackends) {
   EXPECT_EQ(Answers(*restored_cpu), want);
 }
 
-INSTANTIATE_TEST_SUITE_P(Storage, GpuSnapshotTest,
-                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3,
-                                           kernels::KeyStorage::kFp4E2M1),
-                         [](const auto& info) { return std::string(KeyStorageName(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Storage, GpuSnapshotTest, ::indexer::testing::EveryStorage(),
+                         ::indexer::testing::StorageTestName);
 
 }  // namespace
 }  // namespace indexer::engine

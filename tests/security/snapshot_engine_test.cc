@@ -24,6 +24,7 @@
 #include "tests/testing/bf16.h"
 #include "tests/testing/engine_config.h"
 #include "tests/testing/engine_requests.h"
+#include "tests/testing/storages.h"
 
 namespace indexer::testing {
 namespace {
@@ -168,12 +169,8 @@ TEST_P(SnapshotRoundTrip, RestoredEngineAnswersIdenticallyAndKeepsSharing) {
   EXPECT_TRUE(Answers(*after) == Answers(*before));
 }
 
-INSTANTIATE_TEST_SUITE_P(Storage, SnapshotRoundTrip,
-                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3,
-                                           kernels::KeyStorage::kFp4E2M1),
-                         [](const auto& info) {
-                           return std::string(engine::KeyStorageName(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Storage, SnapshotRoundTrip, ::indexer::testing::EveryStorage(),
+                         ::indexer::testing::StorageTestName);
 
 TEST(Snapshot, EmptyEngineRoundTrips) {
   TempDir dir;

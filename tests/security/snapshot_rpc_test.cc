@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "tests/security/security_test_util.h"
 #include "tests/testing/server_fixture.h"
+#include "tests/testing/storages.h"
 
 namespace indexer::testing {
 namespace {
@@ -82,12 +83,8 @@ TEST_P(SnapshotRpcTest, RestoredServerAnswersEverySelectionIdentically) {
   ExpectSameAnswers(*alpha, {alpha_probes.front()}, "alpha's a after appending to its fork");
 }
 
-INSTANTIATE_TEST_SUITE_P(Storage, SnapshotRpcTest,
-                         ::testing::Values(kernels::KeyStorage::kBf16, kernels::KeyStorage::kFp8E4M3,
-                                           kernels::KeyStorage::kFp4E2M1),
-                         [](const auto& info) {
-                           return std::string(engine::KeyStorageName(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Storage, SnapshotRpcTest, ::indexer::testing::EveryStorage(),
+                         ::indexer::testing::StorageTestName);
 
 TEST(SnapshotRestoreStart, ARefusedRestoreStopsTheServerFromStarting) {
   TempDir dir;

@@ -12,10 +12,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::vector<uint32_t> Lengths(const google::protobuf::RepeatedField<uint32_t>& l) {
-  return std::vector<uint32_t>(l.begin(), l.end());
-}
-
 class AppendTest : public ServerTest {};
 
 // The silent-shape hazard: a client built for head_dim 32 sends two tokens' keys, which the

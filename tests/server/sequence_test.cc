@@ -8,10 +8,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::vector<uint32_t> Lengths(const google::protobuf::RepeatedField<uint32_t>& l) {
-  return std::vector<uint32_t>(l.begin(), l.end());
-}
-
 class SequenceTest : public ServerTest {
  protected:
   // Selects the last `tokens` positions of `id` (every head) and compares with the reference.

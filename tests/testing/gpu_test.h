@@ -1,7 +1,7 @@
 // GpuTest: the fixture of the tests that need a CUDA device. SetUp skips the test, saying why,
-// where no CUDA device is usable (as on CI), and otherwise seeds rng_ from a fresh random seed,
-// recorded as the test's "seed" property: traces print seed_ so that a failing run can be
-// repeated. Builds with the CUDA backend only (engine/cuda/cuda_backend.h).
+// where no CUDA device is usable (as on CI), and otherwise seeds rng_ from TestSeed (a fresh seed,
+// or INDEXER_TEST_SEED), recorded as the test's "seed" property: traces print seed_ so that a
+// failing run can be repeated. Builds with the CUDA backend only (engine/cuda/cuda_backend.h).
 //
 // A fixture with more to set up calls the base SetUp first and returns when IsSkipped().
 #pragma once
@@ -16,6 +16,7 @@
 #include "engine/config.h"
 #include "engine/cuda/cuda_backend.h"
 #include "kernels/numeric.h"
+#include "tests/testing/test_seed.h"
 
 namespace indexer::testing {
 
@@ -25,7 +26,7 @@ class GpuTestOn : public Base {
   void SetUp() override {
     const absl::Status gpu = engine::CudaDeviceAvailable();
     if (!gpu.ok()) GTEST_SKIP() << "GPU tests skipped: no usable CUDA device (" << gpu.message() << ")";
-    seed_ = std::random_device{}();
+    seed_ = TestSeed();
     rng_.seed(seed_);
     this->RecordProperty("seed", std::to_string(seed_));
   }

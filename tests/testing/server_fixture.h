@@ -61,6 +61,11 @@ class HostSequence {
 // Compares a server answer with the reference: shape, start position and every id / page entry.
 void ExpectSameSelection(const Selection& got, const Selection& want, const std::string& where);
 
+// A sequence's per-layer lengths as an answer carries them, as a vector (for EXPECT_EQ).
+inline std::vector<uint32_t> Lengths(const google::protobuf::RepeatedField<uint32_t>& lengths) {
+  return std::vector<uint32_t>(lengths.begin(), lengths.end());
+}
+
 // GET http://127.0.0.1:port/metrics, plain sockets: the response body, or "" on failure.
 std::string ScrapeMetrics(int port);
 

@@ -1,5 +1,6 @@
 #include "flags/command_line.h"
 
+#include <cstdio>
 #include <map>
 
 #include "absl/strings/match.h"
@@ -82,6 +83,12 @@ absl::StatusOr<CommandLine> ParseCommandLine(int argc, char** argv, const FlagFi
     }
   }
   return cl;
+}
+
+int ReportUsageError(absl::string_view program, absl::string_view message) {
+  std::fprintf(stderr, "%s\n", absl::StrCat(program, ": ", message, "\nRun '", program,
+                                            " --help' for usage.").c_str());
+  return kUsageExit;
 }
 
 std::string FlagList(const FlagFilter& is_ours) {

@@ -14,6 +14,7 @@
 
 #include "absl/flags/reflection.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace indexer::flags {
 
@@ -34,6 +35,9 @@ struct CommandLine {
 // Sets every flag of argv[1..argc) that `is_ours` accepts. INVALID_ARGUMENT naming the flag and
 // the problem for an unknown flag, a missing value or one that does not parse.
 absl::StatusOr<CommandLine> ParseCommandLine(int argc, char** argv, const FlagFilter& is_ours);
+
+// Prints "program: message" and where to find the usage to stderr; returns kUsageExit.
+int ReportUsageError(absl::string_view program, absl::string_view message);
 
 // The flags `is_ours` accepts, sorted by name, as --help lists them: "  --name (default: v)"
 // and the flag's help on the next line, indented.

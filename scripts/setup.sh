@@ -16,7 +16,7 @@ for arg in "$@"; do
   case "$arg" in
     --build-only) build_only=1 ;;
     --list) list=1 ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;  # the header comment
     *) echo "setup: unknown argument '$arg' (--build-only, --list)" >&2; exit 2 ;;
   esac
 done

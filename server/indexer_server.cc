@@ -1,7 +1,5 @@
 #include "server/indexer_server.h"
 
-#include "flags/command_line.h"
-
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -22,10 +20,9 @@
 #include "absl/time/clock.h"
 #include "engine/backend_factory.h"
 #include "engine/status_macros.h"
+#include "flags/command_line.h"
 
 namespace indexer::server {
-
-const char* Version() { return flags::ProgramVersion(); }
 
 namespace {
 // The service name health checks answer for, besides the whole server ("").
@@ -200,7 +197,7 @@ void IndexerServer::MakeServices(const ServerOptions& options) {
   calls_ = std::make_unique<CallTracker>();
   regions_ = std::make_unique<RegionRegistry>(options.max_regions);
   service_ = std::make_unique<IndexerService>(engine_.get(), executor_.get(), access_.get(),
-                                              metrics_.get(), Version(), options.max_message_bytes,
+                                              metrics_.get(), flags::ProgramVersion(), options.max_message_bytes,
                                               calls_.get(), regions_.get());
   admin_service_ = std::make_unique<IndexerAdminService>(
       engine_.get(), executor_.get(), access_.get(), options.snapshot_dir, calls_.get());

@@ -114,7 +114,4 @@ class IndexerServer {
   std::unique_ptr<DeviceHealthMonitor> device_health_;
 };
 
-// The version string reported by ServerInfo and --version.
-const char* Version();
-
 }  // namespace indexer::server

@@ -28,15 +28,13 @@ namespace server = indexer::server;
 constexpr int kFailed = 1;
 
 int UsageError(const std::string& message) {
-  std::fprintf(stderr, "indexer-server: %s\nRun 'indexer-server --help' for usage.\n",
-               message.c_str());
-  return indexer::flags::kUsageExit;
+  return indexer::flags::ReportUsageError("indexer-server", message);
 }
 
 void LogStart(server::IndexerServer& s, const server::ServerOptions& options) {
   const indexer::engine::Engine& engine = s.engine();
   spdlog::info("indexer-server {} serving on {}: backend={} ({}) devices={} {}",
-               server::Version(), s.listening_on(), engine.backend().name(),
+               indexer::flags::ProgramVersion(), s.listening_on(), engine.backend().name(),
                engine.backend().device(), engine.num_devices(), server::Summary(options));
   if (!options.health_listen.empty()) {
     spdlog::info("health checks (grpc.health.v1 only, plaintext) on {}",
@@ -82,7 +80,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (cl->version) {
-    std::printf("indexer-server %s\n", server::Version());
+    std::printf("indexer-server %s\n", indexer::flags::ProgramVersion());
     return 0;
   }
   if (!cl->positional.empty()) {

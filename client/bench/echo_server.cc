@@ -42,9 +42,9 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "indexer/v1/indexer.grpc.pb.h"
+#include "flags/command_line.h"
 #include "server/request_executor.h"
 #include "server/startup.h"
-#include "flags/command_line.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50052",
           "gRPC listen address: host:port (port 0 picks one; the port is printed), or "
@@ -429,11 +429,7 @@ int main(int argc, char** argv) {
   if (cl.ok() && !cl->positional.empty()) {
     cl = absl::InvalidArgumentError("unexpected argument '" + cl->positional[0] + "'");
   }
-  if (!cl.ok()) {
-    std::fprintf(stderr, "indexer-echo-server: %s\nRun 'indexer-echo-server --help' for usage.\n",
-                 std::string(cl.status().message()).c_str());
-    return indexer::flags::kUsageExit;
-  }
+  if (!cl.ok()) return indexer::flags::ReportUsageError("indexer-echo-server", cl.status().message());
   if (cl->help) {
     std::printf("%s\nFlags:\n%s", kUsage, indexer::flags::FlagList(ours).c_str());
     return 0;

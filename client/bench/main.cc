@@ -281,9 +281,7 @@ void PrintHelp() {
 }
 
 int UsageError(const std::string& message) {
-  std::fprintf(stderr, "indexer-bench: %s\nRun 'indexer-bench --help' for usage.\n",
-               message.c_str());
-  return kUsage;
+  return indexer::flags::ReportUsageError("indexer-bench", message);
 }
 
 // Parses argv (flags/command_line.h); "help" is accepted as the one positional argument.
@@ -565,12 +563,12 @@ int main(int argc, char** argv) {
     std::printf("indexer-bench %s\n", indexer::flags::ProgramVersion());
     return kOk;
   }
-  const std::vector<std::string>* set = &cl->set;
-  const bool servers_given = std::find(set->begin(), set->end(), "servers") != set->end();
+  const std::vector<std::string>& set = cl->set;
+  const bool servers_given = std::find(set.begin(), set.end(), "servers") != set.end();
   if (const char* env = std::getenv("INDEXER_SERVER"); env != nullptr && *env && !servers_given) {
     absl::SetFlag(&FLAGS_servers, std::string(env));
   }
-  const bool token_given = std::find(set->begin(), set->end(), "token") != set->end();
+  const bool token_given = std::find(set.begin(), set.end(), "token") != set.end();
   if (const char* env = std::getenv("INDEXER_TOKEN"); env != nullptr && *env && !token_given) {
     absl::SetFlag(&FLAGS_token, std::string(env));
   }

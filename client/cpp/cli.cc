@@ -122,8 +122,7 @@ flag value that does not parse or is missing, an unreadable TLS file, an invalid
 )";
 
 int UsageError(const std::string& message) {
-  std::fprintf(stderr, "indexer-cli: %s\nRun 'indexer-cli --help' for usage.\n", message.c_str());
-  return kUsageError;
+  return indexer::flags::ReportUsageError("indexer-cli", message);
 }
 
 int RpcError(absl::string_view what, const absl::Status& status) {

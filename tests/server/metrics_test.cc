@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "engine/backend_factory.h"
+#include "flags/command_line.h"
 #include "server/gpu_metrics.h"
 #include "server/metrics.h"
 #include "server/metrics_endpoint.h"
@@ -307,7 +308,7 @@ TEST_F(MetricsTest, BuildProcessAndKeyPoolSeries) {
   absl::StatusOr<v1::GetStatsResponse> stats = client_->GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(StatValue(*stats, "indexer_build_info",
-                      {{"version", server::Version()},
+                      {{"version", flags::ProgramVersion()},
                        {"backend", "cpu"},
                        {"cuda_built", engine::BuiltWithCuda() ? "true" : "false"}}),
             1);

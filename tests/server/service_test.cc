@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "flags/command_line.h"
 #include "tests/testing/server_fixture.h"
 
 namespace indexer::testing {
@@ -23,7 +24,7 @@ TEST_F(ServiceTest, ServerInfoDescribesTheConfiguration) {
   ASSERT_NO_FATAL_FAILURE(AppendRandom("a", 0, 300));
   absl::StatusOr<v1::ServerInfoResponse> info = client_->ServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->version(), server::Version());
+  EXPECT_EQ(info->version(), flags::ProgramVersion());
   EXPECT_FALSE(info->version().empty());
   EXPECT_EQ(info->backend(), "cpu");
   EXPECT_FALSE(info->device().empty());

@@ -79,7 +79,6 @@ namespace v1 = indexer::v1;
 
 constexpr int kOk = 0;
 constexpr int kRpcError = 1;
-constexpr int kUsageError = indexer::flags::kUsageExit;
 
 constexpr char kUsage[] =
     R"(indexer-cli: a command-line client of the indexer gRPC service (sparse-attention block

@@ -4,17 +4,20 @@
 // the engine has staged its steps, and finishes on the thread that ends them (the device's
 // completion thread on CUDA).
 //
-// Per call: one arena holds the parsed request and the answer; the engine reads keys and queries
-// in place from the request, and writes selection outputs straight into the answer's bytes (the
-// call is the engine's OutputSink). Tensors passed by reference are resolved here to the
-// caller's regions (CallRegions), and an item whose reference does not resolve is handed to the
-// engine already refused. Only translation happens here: every rule is the engine's.
+// Per call: the request is read in place (ReadStepRequest) from its bytes, which the call holds,
+// so the engine reads ids, keys and queries where they arrived; the engine writes selection
+// outputs straight into the answer's memory (StepAnswer; the call is the engine's OutputSink),
+// which is written to the answer's bytes once. Tensors passed by reference are resolved here to the caller's regions
+// (CallRegions), and an item whose reference does not resolve is handed to the engine already
+// refused. Only translation happens here: every rule is the engine's.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
-#include <google/protobuf/arena.h>
+#include <grpcpp/support/slice.h>
 
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -28,6 +31,8 @@
 #include "server/metrics.h"
 #include "server/regions/call_regions.h"
 #include "server/regions/region_registry.h"
+#include "server/step_answer.h"
+#include "server/step_request_reader.h"
 
 namespace indexer::server {
 
@@ -63,7 +68,7 @@ class StepCall final : public engine::OutputSink {
                                                          grpc::ByteBuffer* answer);
 
   // The call's items (the sequences it names), for callers that order calls.
-  const std::vector<engine::StepRequest>& items() const { return items_; }
+  const std::vector<engine::StepRequest>& items() const { return wire_.items; }
 
   // Runs the call; `done` runs once, on any thread, possibly before Run returns. The caller
   // keeps the call (and so the request its items view) until `done` has run, and may delete it
@@ -74,30 +79,29 @@ class StepCall final : public engine::OutputSink {
   static void RecordRefused(ServiceMetrics* metrics, StepRpc rpc, const grpc::Status& status,
                             absl::Time arrived);
 
-  // engine::OutputSink: item `item`'s outputs go into its answer's bytes fields, its lengths
-  // into the answer's lengths.
+  // engine::OutputSink: item `item`'s outputs and lengths go into its answer (reply_).
   engine::SelectOutputs Allocate(size_t item, const engine::SelectShape& shape) override;
   bool KeepLengths(size_t item, std::span<const int64_t> lengths) override;
 
  private:
   StepCall(StepRpc rpc, const Services& services, const Caller& caller,
-           grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& request,
-           grpc::ByteBuffer* answer);
-  // Parses the request and builds the engine's items.
+           grpc::CallbackServerContext* ctx, grpc::ByteBuffer* answer);
+  // Reads the request into the engine's items and makes the answer.
   absl::Status Prepare(const grpc::ByteBuffer& request);
-  // Points item `item`'s tensors given by reference into their regions; the first reference that
-  // does not resolve refuses the item.
-  void ResolveRefs(size_t item, const v1::SelectBlocksRequest* select,
-                   const v1::AppendKeysRequest* append);
+  // The request's bytes in one piece, held by the call (request_bytes_).
+  absl::StatusOr<absl::string_view> HoldBytes(const grpc::ByteBuffer& request);
+  // Points an item's tensors given by reference (`refs`, all of one item) into their regions;
+  // the first reference that does not resolve refuses the item.
+  void ResolveRefs(std::span<const ItemRef> refs);
   // Refuses every item whose output reference overlaps another reference of the call.
   void RefuseConflicts();
+  // The answer, one result per item, its output memory sized for `request_bytes`.
+  void MakeAnswer(size_t request_bytes);
   void OnEnd(absl::Status call, std::vector<absl::StatusOr<engine::StepResult>> results);
   // Fills the answer from the results; the call's status.
   grpc::Status Answer(std::vector<absl::StatusOr<engine::StepResult>>& results);
   // Ends the call: metrics, then `done_` (which may delete this).
   void End(grpc::Status status);
-  // The answer message whose outputs item `item` fills.
-  v1::SelectBlocksResponse* ResultOf(size_t item);
 
   const StepRpc rpc_;
   engine::Engine* const engine_;
@@ -107,15 +111,9 @@ class StepCall final : public engine::OutputSink {
   const std::string tenant_;  // the caller's: the items and regions_ view it
   const absl::Time arrived_;
   absl::Duration parse_;
-  google::protobuf::Arena arena_;
-  // The request and the answer, on arena_ (one of each, by rpc_).
-  v1::AppendKeysRequest* append_request_ = nullptr;
-  v1::SelectBlocksRequest* select_request_ = nullptr;
-  v1::BatchRequest* batch_request_ = nullptr;
-  v1::AppendKeysResponse* append_response_ = nullptr;
-  v1::SelectBlocksResponse* select_response_ = nullptr;
-  v1::BatchResponse* batch_response_ = nullptr;
-  std::vector<engine::StepRequest> items_;
+  grpc::Slice request_bytes_;  // what wire_ views
+  StepRequestWire wire_;       // the items, and what they pass by reference
+  std::optional<StepAnswer> reply_;  // the answer as the engine fills it, until written to answer_
   engine::CallControl control_;
   CallRegions regions_;  // holds the regions the items view until the call is destroyed
 };

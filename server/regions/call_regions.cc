@@ -7,49 +7,49 @@
 
 namespace indexer::server {
 
-absl::StatusOr<uint8_t*> CallRegions::Resolve(size_t item, const v1::RegionRef& ref,
+absl::StatusOr<uint8_t*> CallRegions::Resolve(size_t item, const RegionRefView& ref,
                                               absl::string_view field, bool output) {
-  auto held = held_.find(ref.region());
+  auto held = held_.find(ref.region);
   if (held == held_.end()) {
     absl::StatusOr<std::shared_ptr<const Region>> found =
         registry_ != nullptr
-            ? registry_->Find(tenant_, ref.region())
-            : absl::NotFoundError(absl::StrCat("region \"", ref.region(), "\" is not registered"));
+            ? registry_->Find(tenant_, ref.region)
+            : absl::NotFoundError(absl::StrCat("region \"", ref.region, "\" is not registered"));
     if (!found.ok()) {
       return absl::Status(found.status().code(),
                           absl::StrCat(field, ": ", found.status().message()));
     }
-    held = held_.emplace(ref.region(), *std::move(found)).first;
+    held = held_.emplace(ref.region, *std::move(found)).first;
   }
   const Region& region = *held->second;
   const uint64_t size = region.size();
-  if (ref.byte_size() == 0 || ref.offset() > size || ref.byte_size() > size - ref.offset()) {
+  if (ref.byte_size == 0 || ref.offset > size || ref.byte_size > size - ref.offset) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ": offset ", ref.offset(), " + byte_size ", ref.byte_size(), " is not within region \"",
-        ref.region(), "\" of ", size, " bytes", ref.byte_size() == 0 ? " (byte_size is 0)" : ""));
+        field, ": offset ", ref.offset, " + byte_size ", ref.byte_size, " is not within region \"",
+        ref.region, "\" of ", size, " bytes", ref.byte_size == 0 ? " (byte_size is 0)" : ""));
   }
-  uint8_t* data = region.data() + ref.offset();
+  uint8_t* data = region.data() + ref.offset;
   if (output && reinterpret_cast<uintptr_t>(data) % alignof(int32_t) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ": offset ", ref.offset(), " is not a multiple of 4; int32 outputs must be aligned"));
+        field, ": offset ", ref.offset, " is not a multiple of 4; int32 outputs must be aligned"));
   }
-  ranges_.push_back(Range{&region, ref.offset(), ref.offset() + ref.byte_size(), item, output});
+  ranges_.push_back(Range{&region, ref.offset, ref.offset + ref.byte_size, item, output});
   any_output_ = any_output_ || output;
   return data;
 }
 
-absl::StatusOr<absl::string_view> CallRegions::Input(size_t item, const v1::RegionRef& ref,
+absl::StatusOr<absl::string_view> CallRegions::Input(size_t item, const RegionRefView& ref,
                                                      absl::string_view field) {
   absl::StatusOr<uint8_t*> data = Resolve(item, ref, field, false);
   if (!data.ok()) return data.status();
-  return absl::string_view(reinterpret_cast<const char*>(*data), ref.byte_size());
+  return absl::string_view(reinterpret_cast<const char*>(*data), ref.byte_size);
 }
 
-absl::StatusOr<std::span<int32_t>> CallRegions::Output(size_t item, const v1::RegionRef& ref,
+absl::StatusOr<std::span<int32_t>> CallRegions::Output(size_t item, const RegionRefView& ref,
                                                        absl::string_view field) {
   absl::StatusOr<uint8_t*> data = Resolve(item, ref, field, true);
   if (!data.ok()) return data.status();
-  return std::span<int32_t>(reinterpret_cast<int32_t*>(*data), ref.byte_size() / sizeof(int32_t));
+  return std::span<int32_t>(reinterpret_cast<int32_t*>(*data), ref.byte_size / sizeof(int32_t));
 }
 
 std::vector<std::pair<size_t, absl::Status>> CallRegions::Conflicts() const {

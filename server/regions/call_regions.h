@@ -1,4 +1,4 @@
-// CallRegions: a call's tensor references (RegionRef) resolved against the caller's regions.
+// CallRegions: a call's tensor references (RegionRefView) resolved against the caller's regions.
 // It holds every region it resolves until it is destroyed, so the memory a running call reads
 // and writes stays mapped even if the region is unregistered meanwhile; the call (StepCall)
 // owns one and keeps it until its answer is sent.
@@ -19,7 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "indexer/v1/indexer.pb.h"
+#include "server/regions/region_ref.h"
 #include "server/regions/region_registry.h"
 
 namespace indexer::server {
@@ -32,10 +32,10 @@ class CallRegions {
       : registry_(registry), tenant_(tenant) {}
 
   // The bytes `ref` names, for item `item`'s input `field` ("keys_ref", "queries_ref").
-  absl::StatusOr<absl::string_view> Input(size_t item, const v1::RegionRef& ref,
+  absl::StatusOr<absl::string_view> Input(size_t item, const RegionRefView& ref,
                                           absl::string_view field);
   // The int32 values `ref` names (byte_size / 4 of them), for item `item`'s output `field`.
-  absl::StatusOr<std::span<int32_t>> Output(size_t item, const v1::RegionRef& ref,
+  absl::StatusOr<std::span<int32_t>> Output(size_t item, const RegionRefView& ref,
                                             absl::string_view field);
 
   // For each item whose output overlaps another reference of the call (its own included): the
@@ -50,7 +50,7 @@ class CallRegions {
     size_t item;
     bool output;
   };
-  absl::StatusOr<uint8_t*> Resolve(size_t item, const v1::RegionRef& ref, absl::string_view field,
+  absl::StatusOr<uint8_t*> Resolve(size_t item, const RegionRefView& ref, absl::string_view field,
                                    bool output);
 
   const RegionRegistry* const registry_;

@@ -30,8 +30,8 @@ std::unique_ptr<client::SharedMemoryRegion> Object(size_t bytes) {
   return shm.ok() ? *std::move(shm) : nullptr;
 }
 
-v1::RegionRef Ref(const std::string& region, uint64_t offset, uint64_t size) {
-  return client::SharedMemoryRegion::Ref(region, offset, size);
+RegionRefView Ref(absl::string_view region, uint64_t offset, uint64_t size) {
+  return RegionRefView{region, offset, size};
 }
 
 TEST(SystemRegion, MapsTheRangeAndRefusesWhatIsNotThere) {

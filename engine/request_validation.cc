@@ -175,9 +175,13 @@ int64_t LateErrorReservation(absl::string_view sequence_id) {
 
 absl::Status LimitLateMessage(absl::Status status, absl::string_view sequence_id) {
   const size_t limit = static_cast<size_t>(LateMessageLimit(sequence_id));
-  if (status.message().size() <= limit) return status;
-  absl::Status cut(status.code(), absl::StrCat(status.message().substr(0, limit - 3), "..."));
-  return cut;
+  const absl::string_view message = status.message();
+  if (message.size() <= limit) return status;
+  // Cut before a character, not inside one: the answer's message field must stay UTF-8, or
+  // clients could not parse the answer at all.
+  size_t keep = limit - 3;
+  while (keep > 0 && (static_cast<unsigned char>(message[keep]) & 0xC0) == 0x80) --keep;
+  return absl::Status(status.code(), absl::StrCat(message.substr(0, keep), "..."));
 }
 
 }  // namespace indexer::engine

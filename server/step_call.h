@@ -7,9 +7,9 @@
 // Per call: the request is read in place (ReadStepRequest) from its bytes, which the call holds,
 // so the engine reads ids, keys and queries where they arrived; the engine writes selection
 // outputs straight into the answer's memory (StepAnswer; the call is the engine's OutputSink),
-// which is written to the answer's bytes once. Tensors passed by reference are resolved here to the caller's regions
-// (CallRegions), and an item whose reference does not resolve is handed to the engine already
-// refused. Only translation happens here: every rule is the engine's.
+// which is written to the answer's bytes once. Tensors passed by reference are resolved here to
+// the caller's regions (CallRegions), and an item whose reference does not resolve is handed to
+// the engine already refused. Only translation happens here: every rule is the engine's.
 #pragma once
 
 #include <grpcpp/grpcpp.h>

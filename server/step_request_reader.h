@@ -2,8 +2,9 @@
 // BatchRequest) read straight from their wire bytes into the engine's StepRequest views, with no
 // message objects and no allocation per item: sequence ids, keys and queries are views into the
 // request's bytes (keys and queries at an odd address are copied, all into one buffer, so that
-// the engine reads them as bf16 in place). StepCall is its one caller; a decode step of hundreds of items would
-// otherwise pay protobuf's message objects, string copies and their heap blocks item by item.
+// the engine reads them as bf16 in place). StepCall is its caller in the server: a decode step
+// of hundreds of items would otherwise pay protobuf's message objects, string copies and their
+// heap blocks item by item.
 //
 // The bytes are read as protobuf's generated parser reads these messages, which a test holds it
 // to on generated and corrupted inputs: the last occurrence of a scalar, string or bytes field

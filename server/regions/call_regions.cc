@@ -9,19 +9,24 @@ namespace indexer::server {
 
 absl::StatusOr<uint8_t*> CallRegions::Resolve(size_t item, const RegionRefView& ref,
                                               absl::string_view field, bool output) {
-  auto held = held_.find(ref.region);
-  if (held == held_.end()) {
-    absl::StatusOr<std::shared_ptr<const Region>> found =
-        registry_ != nullptr
-            ? registry_->Find(tenant_, ref.region)
-            : absl::NotFoundError(absl::StrCat("region \"", ref.region, "\" is not registered"));
-    if (!found.ok()) {
-      return absl::Status(found.status().code(),
-                          absl::StrCat(field, ": ", found.status().message()));
+  // A call's references mostly name one region: the last one found is checked first.
+  if (last_ == nullptr || ref.region != last_name_) {
+    auto held = held_.find(ref.region);
+    if (held == held_.end()) {
+      absl::StatusOr<std::shared_ptr<const Region>> found =
+          registry_ != nullptr
+              ? registry_->Find(tenant_, ref.region)
+              : absl::NotFoundError(absl::StrCat("region \"", ref.region, "\" is not registered"));
+      if (!found.ok()) {
+        return absl::Status(found.status().code(),
+                            absl::StrCat(field, ": ", found.status().message()));
+      }
+      held = held_.emplace(ref.region, *std::move(found)).first;
     }
-    held = held_.emplace(ref.region, *std::move(found)).first;
+    last_ = held->second.get();
+    last_name_.assign(ref.region.data(), ref.region.size());
   }
-  const Region& region = *held->second;
+  const Region& region = *last_;
   const uint64_t size = region.size();
   if (ref.byte_size == 0 || ref.offset > size || ref.byte_size > size - ref.offset) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -55,10 +60,23 @@ absl::StatusOr<std::span<int32_t>> CallRegions::Output(size_t item, const Region
 std::vector<std::pair<size_t, absl::Status>> CallRegions::Conflicts() const {
   std::vector<std::pair<size_t, absl::Status>> out;
   if (!any_output_) return out;  // reads only: nothing can collide
-  std::vector<Range> sorted = ranges_;
-  std::sort(sorted.begin(), sorted.end(), [](const Range& a, const Range& b) {
+  auto by_start = [](const Range& a, const Range& b) {
     return std::tie(a.region, a.begin) < std::tie(b.region, b.begin);
-  });
+  };
+  // Each item's few references are ordered first: when the items' memory follows item order, as
+  // a scheduler's slabs do, the whole is then ordered and needs no sort.
+  std::vector<Range> sorted = ranges_;
+  for (size_t begin = 0, end = 0; begin < sorted.size(); begin = end) {
+    while (end < sorted.size() && sorted[end].item == sorted[begin].item) ++end;
+    for (size_t i = begin + 1; i < end; ++i) {  // insertion sort: at most five references
+      for (size_t j = i; j > begin && by_start(sorted[j], sorted[j - 1]); --j) {
+        std::swap(sorted[j], sorted[j - 1]);
+      }
+    }
+  }
+  if (!std::is_sorted(sorted.begin(), sorted.end(), by_start)) {
+    std::sort(sorted.begin(), sorted.end(), by_start);
+  }
   // Sweeping in order of start, a range collides with an earlier-starting one exactly when it
   // starts before the furthest end so far (of any range, for an output; of an output, for an
   // input). Every colliding pair is found when its later-starting range is reached.

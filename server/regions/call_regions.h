@@ -56,6 +56,8 @@ class CallRegions {
   const RegionRegistry* const registry_;
   const absl::string_view tenant_;
   absl::flat_hash_map<std::string, std::shared_ptr<const Region>> held_;
+  const Region* last_ = nullptr;  // the region last resolved (held in held_), named last_name_
+  std::string last_name_;
   std::vector<Range> ranges_;
   bool any_output_ = false;
 };

@@ -17,8 +17,10 @@
 #include <gtest/gtest.h>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "engine/config.h"
 #include "engine/page_pool.h"
+#include "engine/request_validation.h"
 #include "engine/thread_pool.h"
 #include "engine/wire_values.h"
 #include "kernels/numeric.h"
@@ -34,6 +36,28 @@ void ExpectRefs(const PagePool& pool, const std::vector<int32_t>& want) {
   for (int32_t p = 0; p < static_cast<int32_t>(want.size()); ++p) {
     EXPECT_EQ(pool.RefCount(p), want[p]) << "page " << p;
   }
+}
+
+TEST(LateMessages, LongMessagesAreCutBeforeACharacterNeverInsideOne) {
+  const std::string id = "séquence";
+  const size_t limit = static_cast<size_t>(LateMessageLimit(id));
+  for (const std::string piece : {"a", "é", "日", "\xF0\x9F\x98\x80"}) {
+    for (size_t lead = 0; lead < 4; ++lead) {
+      std::string message(lead, 'x');
+      while (message.size() <= limit + 8) message += piece;
+      const absl::Status cut = LimitLateMessage(absl::InternalError(message), id);
+      const absl::string_view m = cut.message();
+      EXPECT_EQ(cut.code(), absl::StatusCode::kInternal);
+      EXPECT_LE(m.size(), limit) << piece << " after " << lead;
+      EXPECT_GT(m.size(), limit - 3 - piece.size()) << "cut no further than the character";
+      ASSERT_TRUE(absl::EndsWith(m, "..."));
+      const absl::string_view kept = m.substr(0, m.size() - 3);
+      EXPECT_EQ(message.substr(0, kept.size()), kept);
+      EXPECT_EQ((kept.size() - lead) % piece.size(), 0u) << "a character was split: " << piece;
+    }
+  }
+  const absl::Status short_one = absl::NotFoundError("sequence 'é' does not exist");
+  EXPECT_EQ(LimitLateMessage(short_one, id), short_one);
 }
 
 TEST(PagePool, AllocateIsAllOrNothing) {

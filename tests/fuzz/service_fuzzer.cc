@@ -20,7 +20,9 @@
 //  - answers have the shape they declare, and each selection row holds min(topk, visible)
 //    distinct visible blocks, then -1;
 //  - the page accounting is exact: pages in use = the distinct pages of the live sequences, and
-//    each sequence's shared_pages = its pages that another sequence also holds.
+//    each sequence's shared_pages = its pages that another sequence also holds;
+//  - the server's reader of the step requests (ReadStepRequest) accepts a whole wire message
+//    exactly when protobuf parses it.
 // At the end every sequence is released and the pool must be whole again.
 //
 // Built by scripts/fuzz.sh as a libFuzzer binary (clang, -fsanitize=fuzzer,address,undefined);
@@ -56,6 +58,7 @@
 #include "server/access_control.h"
 #include "server/indexer_service.h"
 #include "server/request_executor.h"
+#include "server/step_request_reader.h"
 #include "tests/testing/service_call.h"
 
 namespace indexer::fuzz {
@@ -868,10 +871,35 @@ void RunServerInfo(Harness& h) {
   }
 }
 
+// The server's own reader of the step requests must accept exactly the bytes protobuf parses.
+void CheckStepReader(server::StepMessage message, absl::string_view wire, bool protobuf_parsed) {
+  server::StepRequestWire read;
+  const bool ours = server::ReadStepRequest(message, wire, "", &read).ok();
+  if (ours != protobuf_parsed) {
+    Fail(absl::StrCat("ReadStepRequest ", ours ? "reads" : "refuses", " ", wire.size(),
+                      " bytes of ", server::StepMessageName(message), " that protobuf ",
+                      protobuf_parsed ? "parses" : "refuses"));
+  }
+}
+
 // Bytes from the script parsed as one wire message of the type the script picks, then served.
 void RunRaw(Harness& h, ScriptReader& in) {
   const uint8_t kind = in.Byte();
   const absl::string_view wire = in.Bytes(in.Byte() + (kind & 0x80 ? 256 : 0));
+  if (kind % 6 < 3) {
+    const server::StepMessage message = kind % 6 == 0   ? server::StepMessage::kAppendKeys
+                                        : kind % 6 == 1 ? server::StepMessage::kSelectBlocks
+                                                        : server::StepMessage::kBatch;
+    bool parsed = false;
+    if (message == server::StepMessage::kAppendKeys) {
+      parsed = v1::AppendKeysRequest().ParseFromArray(wire.data(), static_cast<int>(wire.size()));
+    } else if (message == server::StepMessage::kSelectBlocks) {
+      parsed = v1::SelectBlocksRequest().ParseFromArray(wire.data(), static_cast<int>(wire.size()));
+    } else {
+      parsed = v1::BatchRequest().ParseFromArray(wire.data(), static_cast<int>(wire.size()));
+    }
+    CheckStepReader(message, wire, parsed);
+  }
   switch (kind % 6) {
     case 0: {
       v1::AppendKeysRequest req;

@@ -72,13 +72,70 @@ class Cursor {
   bool done() const { return p_ == end_; }
 
   // A varint of at most 10 bytes, its value modulo 2^64.
-  bool Varint(uint64_t* value) {
-    if (p_ < end_ && static_cast<unsigned char>(*p_) < 0x80) {  // most values: one byte
+  bool Varint(uint64_t* value) { return VarintOf(10, value); }
+
+  // A field's tag: a varint of at most 5 bytes, its value modulo 2^32.
+  bool Tag(uint32_t* tag) {
+    uint64_t v;
+    if (!VarintOf(5, &v)) return false;
+    *tag = static_cast<uint32_t>(v);
+    return true;
+  }
+
+  // A length-delimited field's bytes: a size of at most 5 bytes (under 2 GiB), then that many.
+  bool Length(absl::string_view* bytes) {
+    uint64_t size;
+    if (!VarintOf(5, &size)) return false;
+    if (size > static_cast<uint64_t>(INT_MAX - 16) || size > static_cast<uint64_t>(end_ - p_)) {
+      return false;
+    }
+    *bytes = absl::string_view(p_, size);
+    p_ += size;
+    return true;
+  }
+
+  // Typed values, as protobuf stores them: uint32 keeps a varint's low 32 bits, int64 and the
+  // enum their bits, bool whether any is set; a string must be UTF-8.
+  bool Uint32(int64_t* out) {
+    uint64_t v;
+    if (!Varint(&v)) return false;
+    *out = static_cast<uint32_t>(v);
+    return true;
+  }
+  bool Uint32(std::optional<int64_t>* out) {
+    int64_t v;
+    if (!Uint32(&v)) return false;
+    *out = v;
+    return true;
+  }
+  bool Int64(std::optional<int64_t>* out) {
+    uint64_t v;
+    if (!Varint(&v)) return false;
+    *out = static_cast<int64_t>(v);
+    return true;
+  }
+  bool Bool(bool* out) {
+    uint64_t v;
+    if (!Varint(&v)) return false;
+    *out = v != 0;
+    return true;
+  }
+  bool Dtype(engine::WireDtype* out) {
+    uint64_t v;
+    if (!Varint(&v)) return false;
+    *out = DtypeOf(v);
+    return true;
+  }
+  bool String(absl::string_view* out) { return Length(out) && ValidUtf8(*out); }
+
+  // A varint of at most `max_bytes` bytes; protobuf drops the bits past a value's width.
+  bool VarintOf(int max_bytes, uint64_t* value) {
+    if (p_ < end_ && static_cast<unsigned char>(*p_) < 0x80) {  // most values and tags: one byte
       *value = static_cast<unsigned char>(*p_++);
       return true;
     }
     uint64_t v = 0;
-    for (int i = 0; i < 10 && p_ < end_; ++i) {
+    for (int i = 0; i < max_bytes && p_ < end_; ++i) {
       const auto byte = static_cast<unsigned char>(*p_++);
       v |= uint64_t{byte & 0x7Fu} << (7 * i);
       if (byte < 0x80) {
@@ -87,42 +144,6 @@ class Cursor {
       }
     }
     return false;
-  }
-
-  // A field's tag: a varint of at most 5 bytes, its value modulo 2^32.
-  bool Tag(uint32_t* tag) {
-    if (p_ < end_ && static_cast<unsigned char>(*p_) < 0x80) {  // fields 1 to 15
-      *tag = static_cast<unsigned char>(*p_++);
-      return true;
-    }
-    uint32_t v = 0;
-    for (int i = 0; i < 5 && p_ < end_; ++i) {
-      const auto byte = static_cast<unsigned char>(*p_++);
-      v |= uint32_t{byte & 0x7Fu} << (7 * i);
-      if (byte < 0x80) {
-        *tag = v;
-        return true;
-      }
-    }
-    return false;
-  }
-
-  // A length-delimited field's bytes: a size of at most 5 bytes (under 2 GiB), then that many.
-  bool Length(absl::string_view* bytes) {
-    uint64_t size = 0;
-    for (int i = 0;; ++i) {
-      if (i == 5 || p_ == end_) return false;
-      const auto byte = static_cast<unsigned char>(*p_++);
-      if (i == 4 && byte >= 8) return false;
-      size |= uint64_t{byte & 0x7Fu} << (7 * i);
-      if (byte < 0x80) break;
-    }
-    if (size > static_cast<uint64_t>(INT_MAX - 16) || size > static_cast<uint64_t>(end_ - p_)) {
-      return false;
-    }
-    *bytes = absl::string_view(p_, size);
-    p_ += size;
-    return true;
   }
 
   bool Bytes(size_t n) {
@@ -160,6 +181,30 @@ class Cursor {
   const char* end_;
 };
 
+// What a message's reader made of one field.
+enum class Field { kRead, kUnknown, kBad };
+Field ReadIf(bool read) { return read ? Field::kRead : Field::kBad; }
+
+// Reads each field of a message's `bytes` with `on_field(tag, cursor)`, which reads the value of
+// a field it knows (kRead, or kBad when the value does not read) or leaves it (kUnknown) to be
+// skipped, groups within `depth` more levels.
+template <typename OnField>
+bool ForEachField(absl::string_view bytes, int depth, OnField&& on_field) {
+  Cursor c(bytes);
+  while (!c.done()) {
+    uint32_t tag;
+    if (!c.Tag(&tag)) return false;
+    switch (on_field(tag, c)) {
+      case Field::kRead: break;
+      case Field::kBad: return false;
+      case Field::kUnknown:
+        if (!c.Skip(tag, depth)) return false;
+        break;
+    }
+  }
+  return true;
+}
+
 // Reads one request's messages into a StepRequestWire.
 class Reader {
  public:
@@ -167,23 +212,14 @@ class Reader {
 
   bool Batch(absl::string_view bytes) {
     Reserve(bytes);
-    Cursor c(bytes);
-    while (!c.done()) {
-      uint32_t tag;
-      if (!c.Tag(&tag)) return false;
+    return ForEachField(bytes, kMaxDepth, [this](uint32_t tag, Cursor& c) {
       absl::string_view item;
       switch (tag) {
-        case Tag(1, kVarint):
-          if (!c.Varint(&out_->request_id)) return false;
-          break;
-        case Tag(2, kLength):
-          if (!c.Length(&item) || !Item(item, kMaxDepth - 1)) return false;
-          break;
-        default:
-          if (!c.Skip(tag, kMaxDepth)) return false;
+        case Tag(1, kVarint): return ReadIf(c.Varint(&out_->request_id));
+        case Tag(2, kLength): return ReadIf(c.Length(&item) && Item(item, kMaxDepth - 1));
+        default: return Field::kUnknown;
       }
-    }
-    return true;
+    });
   }
 
   // Room for a BatchRequest's items, counted first so that no item moves once read. A request
@@ -249,141 +285,79 @@ class Reader {
   // A SelectBlocksRequest's fields, `depth` nesting levels left below it.
   bool Item(absl::string_view bytes, int depth) {
     engine::StepRequest& step = NewItem();
-    Cursor c(bytes);
-    while (!c.done()) {
-      uint32_t tag;
-      uint64_t v;
+    const bool read = ForEachField(bytes, depth, [&](uint32_t tag, Cursor& c) {
       absl::string_view b;
-      if (!c.Tag(&tag)) return false;
       switch (tag) {
-        case Tag(1, kLength):
-          if (!c.Length(&b) || !ValidUtf8(b)) return false;
-          step.sequence_id = b;
-          break;
-        case Tag(2, kVarint):
-          if (!c.Varint(&v)) return false;
-          step.layer = static_cast<uint32_t>(v);
-          break;
+        case Tag(1, kLength): return ReadIf(c.String(&step.sequence_id));
+        case Tag(2, kVarint): return ReadIf(c.Uint32(&step.layer));
         case Tag(3, kLength):
-          if (!c.Length(&b) || depth - 1 < 0) return false;
+          if (!c.Length(&b) || depth - 1 < 0) return Field::kBad;
           if (!step.append) step.append.emplace().tenant = tenant_;
-          if (!AppendFields(b, &*step.append, depth - 1)) return false;
-          break;
-        case Tag(4, kVarint):
-          if (!c.Varint(&v)) return false;
-          step.start_position = static_cast<int64_t>(v);
-          break;
-        case Tag(5, kVarint):
-          if (!c.Varint(&v)) return false;
-          step.num_heads = static_cast<uint32_t>(v);
-          break;
-        case Tag(6, kVarint):
-          if (!c.Varint(&v)) return false;
-          step.query_dtype = DtypeOf(v);
-          break;
-        case Tag(7, kLength):
-          if (!c.Length(&step.queries)) return false;
-          break;
-        case Tag(8, kVarint):
-        case Tag(9, kVarint):
-        case Tag(10, kVarint):
-        case Tag(11, kVarint): {
-          if (!c.Varint(&v)) return false;
-          const int64_t value = static_cast<uint32_t>(v);
-          if (tag == Tag(8, kVarint)) step.topk = value;
-          if (tag == Tag(9, kVarint)) step.init_blocks = value;
-          if (tag == Tag(10, kVarint)) step.local_blocks = value;
-          if (tag == Tag(11, kVarint)) step.num_tokens = value;
-          break;
-        }
-        case Tag(12, kLength):
-          if (!c.Length(&b) || !Ref(b, ItemRef::kQueries, depth - 1)) return false;
-          break;
-        case Tag(13, kLength):
-          if (!c.Length(&b) || !OutputRefs(b, depth - 1)) return false;
-          break;
-        default:
-          if (!c.Skip(tag, depth)) return false;
+          return ReadIf(AppendFields(b, &*step.append, depth - 1));
+        case Tag(4, kVarint): return ReadIf(c.Int64(&step.start_position));
+        case Tag(5, kVarint): return ReadIf(c.Uint32(&step.num_heads));
+        case Tag(6, kVarint): return ReadIf(c.Dtype(&step.query_dtype));
+        case Tag(7, kLength): return ReadIf(c.Length(&step.queries));
+        case Tag(8, kVarint): return ReadIf(c.Uint32(&step.topk));
+        case Tag(9, kVarint): return ReadIf(c.Uint32(&step.init_blocks));
+        case Tag(10, kVarint): return ReadIf(c.Uint32(&step.local_blocks));
+        case Tag(11, kVarint): return ReadIf(c.Uint32(&step.num_tokens));
+        case Tag(12, kLength): return ReadIf(c.Length(&b) && Ref(b, ItemRef::kQueries, depth - 1));
+        case Tag(13, kLength): return ReadIf(c.Length(&b) && OutputRefs(b, depth - 1));
+        default: return Field::kUnknown;
       }
-    }
-    EndItem();
-    return true;
+    });
+    if (read) EndItem();
+    return read;
   }
 
   // An AppendKeysRequest's fields merged into *a, `depth` nesting levels left below it.
   bool AppendFields(absl::string_view bytes, engine::AppendRequest* a, int depth) {
-    Cursor c(bytes);
-    while (!c.done()) {
-      uint32_t tag;
-      uint64_t v;
+    return ForEachField(bytes, depth, [&](uint32_t tag, Cursor& c) {
       absl::string_view b;
-      if (!c.Tag(&tag)) return false;
       switch (tag) {
-        case Tag(1, kLength):
-          if (!c.Length(&b) || !ValidUtf8(b)) return false;
-          a->sequence_id = b;
-          break;
-        case Tag(2, kVarint):
-          if (!c.Varint(&v)) return false;
-          a->layer = static_cast<uint32_t>(v);
-          break;
-        case Tag(3, kVarint):
-          if (!c.Varint(&v)) return false;
-          a->all_layers = v != 0;
-          break;
-        case Tag(4, kVarint):
-          if (!c.Varint(&v)) return false;
-          a->dtype = DtypeOf(v);
-          break;
-        case Tag(5, kLength):
-          if (!c.Length(&a->keys)) return false;
-          break;
-        case Tag(6, kVarint):
-          if (!c.Varint(&v)) return false;
-          out_->attention_pages.push_back(static_cast<int32_t>(v));
-          break;
-        case Tag(6, kLength): {
-          if (!c.Length(&b)) return false;
+        case Tag(1, kLength): return ReadIf(c.String(&a->sequence_id));
+        case Tag(2, kVarint): return ReadIf(c.Uint32(&a->layer));
+        case Tag(3, kVarint): return ReadIf(c.Bool(&a->all_layers));
+        case Tag(4, kVarint): return ReadIf(c.Dtype(&a->dtype));
+        case Tag(5, kLength): return ReadIf(c.Length(&a->keys));
+        case Tag(6, kVarint): return ReadIf(AttentionPage(c));
+        case Tag(6, kLength): {  // packed
+          if (!c.Length(&b)) return Field::kBad;
           Cursor packed(b);
           while (!packed.done()) {
-            if (!packed.Varint(&v)) return false;
-            out_->attention_pages.push_back(static_cast<int32_t>(v));
+            if (!AttentionPage(packed)) return Field::kBad;
           }
-          break;
+          return Field::kRead;
         }
-        case Tag(7, kVarint):
-          if (!c.Varint(&v)) return false;
-          a->num_tokens = static_cast<uint32_t>(v);
-          break;
-        case Tag(8, kLength):
-          if (!c.Length(&b) || !Ref(b, ItemRef::kKeys, depth - 1)) return false;
-          break;
-        default:
-          if (!c.Skip(tag, depth)) return false;
+        case Tag(7, kVarint): return ReadIf(c.Uint32(&a->num_tokens));
+        case Tag(8, kLength): return ReadIf(c.Length(&b) && Ref(b, ItemRef::kKeys, depth - 1));
+        default: return Field::kUnknown;
       }
-    }
+    });
+  }
+
+  // One attention page id (an int32 keeps a varint's low 32 bits).
+  bool AttentionPage(Cursor& c) {
+    uint64_t v;
+    if (!c.Varint(&v)) return false;
+    out_->attention_pages.push_back(static_cast<int32_t>(v));
     return true;
   }
 
   bool OutputRefs(absl::string_view bytes, int depth) {
     if (depth < 0) return false;
-    Cursor c(bytes);
-    while (!c.done()) {
-      uint32_t tag;
+    return ForEachField(bytes, depth, [&](uint32_t tag, Cursor& c) {
       absl::string_view b;
-      if (!c.Tag(&tag)) return false;
       ItemRef::Field field;
       switch (tag) {
         case Tag(1, kLength): field = ItemRef::kBlockIds; break;
         case Tag(2, kLength): field = ItemRef::kPageTable; break;
         case Tag(3, kLength): field = ItemRef::kContextLens; break;
-        default:
-          if (!c.Skip(tag, depth)) return false;
-          continue;
+        default: return Field::kUnknown;
       }
-      if (!c.Length(&b) || !Ref(b, field, depth - 1)) return false;
-    }
-    return true;
+      return ReadIf(c.Length(&b) && Ref(b, field, depth - 1));
+    });
   }
 
   // A RegionRef's fields merged into the current item's reference for `field` (made if there
@@ -396,27 +370,14 @@ class Reader {
       if (it->field == field) ref = &it->ref;
     }
     if (ref == nullptr) ref = &out_->refs.emplace_back(ItemRef{item, field, {}}).ref;
-    Cursor c(bytes);
-    while (!c.done()) {
-      uint32_t tag;
-      absl::string_view b;
-      if (!c.Tag(&tag)) return false;
+    return ForEachField(bytes, depth, [ref](uint32_t tag, Cursor& c) {
       switch (tag) {
-        case Tag(1, kLength):
-          if (!c.Length(&b) || !ValidUtf8(b)) return false;
-          ref->region = b;
-          break;
-        case Tag(2, kVarint):
-          if (!c.Varint(&ref->offset)) return false;
-          break;
-        case Tag(3, kVarint):
-          if (!c.Varint(&ref->byte_size)) return false;
-          break;
-        default:
-          if (!c.Skip(tag, depth)) return false;
+        case Tag(1, kLength): return ReadIf(c.String(&ref->region));
+        case Tag(2, kVarint): return ReadIf(c.Varint(&ref->offset));
+        case Tag(3, kVarint): return ReadIf(c.Varint(&ref->byte_size));
+        default: return Field::kUnknown;
       }
-    }
-    return true;
+    });
   }
 
   // The uint16 values that hold `bytes` when they lie at an odd address, else 0.

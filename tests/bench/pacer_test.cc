@@ -67,15 +67,14 @@ TEST(ArrivalPacerTest, SameSeedSameTimes) {
 // so a measurement that misses is repeated, up to three times in all; a pacer that is wrong
 // misses every time. `last` says whether failures are reported (the final attempt) or only
 // counted.
-bool AchievedRateOnce(Arrivals arrivals, double expected_cv_low, double expected_cv_high,
-                      bool last) {
-  constexpr double kRate = 2000;
+bool AchievedRateOnce(Arrivals arrivals, double rate, double expected_cv_low,
+                      double expected_cv_high, bool last) {
   constexpr double kSeconds = 1.0;
   constexpr int kWorkers = 4;
   const Clock::time_point start = Clock::now() + std::chrono::milliseconds(20);
   const Clock::time_point end =
       start + std::chrono::milliseconds(static_cast<int>(kSeconds * 1000));
-  ArrivalPacer pacer(kRate, arrivals, start, 5);
+  ArrivalPacer pacer(rate, arrivals, start, 5);
   std::mutex mu;
   std::vector<Clock::time_point> sent;
   std::vector<double> lateness;
@@ -106,9 +105,9 @@ bool AchievedRateOnce(Arrivals arrivals, double expected_cv_low, double expected
   const GapStats g = Gaps(sent);
   std::sort(lateness.begin(), lateness.end());
   const double median_late = lateness[lateness.size() / 2];
-  const bool ok = std::abs(achieved - kRate) <= 0.05 * kRate &&
-                  std::abs(static_cast<double>(sent.size()) - kRate * kSeconds) <= 0.05 * kRate * kSeconds &&
-                  std::abs(g.mean - 1 / kRate) <= 0.05 / kRate && g.cv >= expected_cv_low &&
+  const bool ok = std::abs(achieved - rate) <= 0.05 * rate &&
+                  std::abs(static_cast<double>(sent.size()) - rate * kSeconds) <= 0.05 * rate * kSeconds &&
+                  std::abs(g.mean - 1 / rate) <= 0.05 / rate && g.cv >= expected_cv_low &&
                   g.cv <= expected_cv_high && median_late < 2e-3;
   if (ok || !last) {
     if (!ok) {
@@ -118,10 +117,10 @@ bool AchievedRateOnce(Arrivals arrivals, double expected_cv_low, double expected
     }
     return ok;
   }
-  EXPECT_NEAR(achieved, kRate, 0.05 * kRate)
+  EXPECT_NEAR(achieved, rate, 0.05 * rate)
       << ArrivalsName(arrivals) << ": " << sent.size() << " sends in " << span << " s";
-  EXPECT_NEAR(static_cast<double>(sent.size()), kRate * kSeconds, 0.05 * kRate * kSeconds);
-  EXPECT_NEAR(g.mean, 1 / kRate, 0.05 / kRate);
+  EXPECT_NEAR(static_cast<double>(sent.size()), rate * kSeconds, 0.05 * rate * kSeconds);
+  EXPECT_NEAR(g.mean, 1 / rate, 0.05 / rate);
   EXPECT_GE(g.cv, expected_cv_low) << ArrivalsName(arrivals);
   EXPECT_LE(g.cv, expected_cv_high) << ArrivalsName(arrivals);
   // Sends happen close to their intended times (the median worker wakes within 2 ms).
@@ -129,18 +128,23 @@ bool AchievedRateOnce(Arrivals arrivals, double expected_cv_low, double expected
   return false;
 }
 
-void ExpectAchievedRate(Arrivals arrivals, double expected_cv_low, double expected_cv_high) {
+void ExpectAchievedRate(Arrivals arrivals, double rate, double expected_cv_low,
+                        double expected_cv_high) {
   for (int attempt = 1; attempt <= 3; ++attempt) {
-    if (AchievedRateOnce(arrivals, expected_cv_low, expected_cv_high, attempt == 3)) return;
+    if (AchievedRateOnce(arrivals, rate, expected_cv_low, expected_cv_high, attempt == 3)) return;
   }
 }
 
 TEST(ArrivalPacerTest, ConstantRateIsAchieved) {
-  // Timer jitter adds some spread to perfectly regular gaps, but far less than Poisson's.
-  ExpectAchievedRate(Arrivals::kConstant, 0.0, 0.6);
+  // Timer jitter adds some spread to perfectly regular gaps, but far less than Poisson's. Wake-ups
+  // jitter by a few tenths of a millisecond on a shared machine, so the gaps are 2 ms: at 0.5 ms
+  // the jitter alone would look like a spread.
+  ExpectAchievedRate(Arrivals::kConstant, 500, 0.0, 0.6);
 }
 
-TEST(ArrivalPacerTest, PoissonRateIsAchieved) { ExpectAchievedRate(Arrivals::kPoisson, 0.8, 1.25); }
+TEST(ArrivalPacerTest, PoissonRateIsAchieved) {
+  ExpectAchievedRate(Arrivals::kPoisson, 2000, 0.8, 1.25);
+}
 
 TEST(ArrivalPacerTest, ParsesNames) {
   EXPECT_EQ(*ParseArrivals("constant"), Arrivals::kConstant);

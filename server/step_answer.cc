@@ -156,7 +156,8 @@ void StepAnswer::Write(grpc::ByteBuffer* out) const {
   switch (message_) {
     case StepMessage::kAppendKeys: {
       const Item& it = items_[0];
-      size = PackedFieldSize(it.lengths) + VarintFieldSize(it.num_blocks) + (it.created ? 2 : 0);
+      size = PackedFieldSize(it.lengths) + VarintFieldSize(it.num_blocks) +
+             VarintFieldSize(it.created ? 1 : 0);
       break;
     }
     case StepMessage::kSelectBlocks:

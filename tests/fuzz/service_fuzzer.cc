@@ -886,35 +886,26 @@ void CheckStepReader(server::StepMessage message, absl::string_view wire, bool p
 void RunRaw(Harness& h, ScriptReader& in) {
   const uint8_t kind = in.Byte();
   const absl::string_view wire = in.Bytes(in.Byte() + (kind & 0x80 ? 256 : 0));
-  if (kind % 6 < 3) {
-    const server::StepMessage message = kind % 6 == 0   ? server::StepMessage::kAppendKeys
-                                        : kind % 6 == 1 ? server::StepMessage::kSelectBlocks
-                                                        : server::StepMessage::kBatch;
-    bool parsed = false;
-    if (message == server::StepMessage::kAppendKeys) {
-      parsed = v1::AppendKeysRequest().ParseFromArray(wire.data(), static_cast<int>(wire.size()));
-    } else if (message == server::StepMessage::kSelectBlocks) {
-      parsed = v1::SelectBlocksRequest().ParseFromArray(wire.data(), static_cast<int>(wire.size()));
-    } else {
-      parsed = v1::BatchRequest().ParseFromArray(wire.data(), static_cast<int>(wire.size()));
-    }
-    CheckStepReader(message, wire, parsed);
-  }
   switch (kind % 6) {
     case 0: {
       v1::AppendKeysRequest req;
-      if (req.ParseFromArray(wire.data(), static_cast<int>(wire.size()))) RunAppend(h, req);
+      const bool parsed = req.ParseFromArray(wire.data(), static_cast<int>(wire.size()));
+      CheckStepReader(server::StepMessage::kAppendKeys, wire, parsed);
+      if (parsed) RunAppend(h, req);
       break;
     }
     case 1: {
       v1::SelectBlocksRequest req;
-      if (req.ParseFromArray(wire.data(), static_cast<int>(wire.size()))) RunSteps(h, {req}, true, 0);
+      const bool parsed = req.ParseFromArray(wire.data(), static_cast<int>(wire.size()));
+      CheckStepReader(server::StepMessage::kSelectBlocks, wire, parsed);
+      if (parsed) RunSteps(h, {req}, true, 0);
       break;
     }
     case 2: {
       v1::BatchRequest req;
-      if (req.ParseFromArray(wire.data(), static_cast<int>(wire.size())) && req.items_size() > 0 &&
-          req.items_size() <= 8) {
+      const bool parsed = req.ParseFromArray(wire.data(), static_cast<int>(wire.size()));
+      CheckStepReader(server::StepMessage::kBatch, wire, parsed);
+      if (parsed && req.items_size() > 0 && req.items_size() <= 8) {
         RunSteps(h, std::vector<v1::SelectBlocksRequest>(req.items().begin(), req.items().end()),
                  false, req.request_id());
       }

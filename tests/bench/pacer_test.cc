@@ -61,20 +61,24 @@ TEST(ArrivalPacerTest, SameSeedSameTimes) {
   for (int i = 0; i < 100; ++i) EXPECT_EQ(a.Next(), b.Next());
 }
 
-// Workers take times, sleep until them and note when they woke: the achieved rate and gaps must
-// match the target within a few percent over about a second. On a loaded machine (CI, a build
-// running beside it) the scheduler may hold a worker back for milliseconds and bunch its sends,
-// so a measurement that misses is repeated, up to three times in all; a pacer that is wrong
-// misses every time. `last` says whether failures are reported (the final attempt) or only
-// counted.
-bool AchievedRateOnce(Arrivals arrivals, double rate, double expected_cv_low,
-                      double expected_cv_high, bool last) {
+// Workers take times, sleep until them and note when they woke. What a live run can hold the
+// pacer to on any machine: every intended time before the end is sent, none is sent early, the
+// sends span the window at the target rate, and the median send is close to its time. The shape
+// of the gaps is checked on the intended times above, not here: a loaded machine (CI, a build
+// beside it) may hold a worker back for milliseconds and bunch its sends, which changes the
+// spread of the achieved gaps without the pacer being wrong. A run that misses is repeated, up
+// to three times in all; a pacer that is wrong misses every time. `last` says whether failures
+// are reported (the final attempt) or only counted.
+bool AchievedRateOnce(Arrivals arrivals, double rate, bool last) {
   constexpr double kSeconds = 1.0;
   constexpr int kWorkers = 4;
   const Clock::time_point start = Clock::now() + std::chrono::milliseconds(20);
   const Clock::time_point end =
       start + std::chrono::milliseconds(static_cast<int>(kSeconds * 1000));
   ArrivalPacer pacer(rate, arrivals, start, 5);
+  ArrivalPacer intended(rate, arrivals, start, 5);
+  int64_t expected_sends = 0;
+  while (intended.Next() < end) ++expected_sends;
   std::mutex mu;
   std::vector<Clock::time_point> sent;
   std::vector<double> lateness;
@@ -97,54 +101,42 @@ bool AchievedRateOnce(Arrivals arrivals, double rate, double expected_cv_low,
     });
   }
   for (std::thread& t : workers) t.join();
+  // Exact on every machine: one send per intended time, and no send before its time.
+  EXPECT_EQ(static_cast<int64_t>(sent.size()), expected_sends) << ArrivalsName(arrivals);
+  std::sort(lateness.begin(), lateness.end());
+  EXPECT_GE(lateness.front(), 0.0) << ArrivalsName(arrivals) << ": a send woke before its time";
+  if (sent.size() <= 100) {
+    ADD_FAILURE() << ArrivalsName(arrivals) << ": only " << sent.size() << " sends";
+    return false;
+  }
   std::sort(sent.begin(), sent.end());
-  EXPECT_GT(sent.size(), 100u);
-  if (sent.size() <= 100) return false;
   const double span = Seconds(sent.back() - sent.front());
   const double achieved = static_cast<double>(sent.size() - 1) / span;
-  const GapStats g = Gaps(sent);
-  std::sort(lateness.begin(), lateness.end());
   const double median_late = lateness[lateness.size() / 2];
-  const bool ok = std::abs(achieved - rate) <= 0.05 * rate &&
-                  std::abs(static_cast<double>(sent.size()) - rate * kSeconds) <= 0.05 * rate * kSeconds &&
-                  std::abs(g.mean - 1 / rate) <= 0.05 / rate && g.cv >= expected_cv_low &&
-                  g.cv <= expected_cv_high && median_late < 2e-3;
+  const bool ok = std::abs(achieved - rate) <= 0.05 * rate && median_late < 2e-3;
   if (ok || !last) {
     if (!ok) {
-      std::printf("%s: attempt missed (rate %.1f, sends %zu, gap cv %.3f, median lateness %.2f ms); "
-                  "repeating\n", ArrivalsName(arrivals), achieved, sent.size(), g.cv,
-                  median_late * 1e3);
+      std::printf("%s: attempt missed (rate %.1f, median lateness %.2f ms); repeating\n",
+                  ArrivalsName(arrivals), achieved, median_late * 1e3);
     }
     return ok;
   }
   EXPECT_NEAR(achieved, rate, 0.05 * rate)
       << ArrivalsName(arrivals) << ": " << sent.size() << " sends in " << span << " s";
-  EXPECT_NEAR(static_cast<double>(sent.size()), rate * kSeconds, 0.05 * rate * kSeconds);
-  EXPECT_NEAR(g.mean, 1 / rate, 0.05 / rate);
-  EXPECT_GE(g.cv, expected_cv_low) << ArrivalsName(arrivals);
-  EXPECT_LE(g.cv, expected_cv_high) << ArrivalsName(arrivals);
   // Sends happen close to their intended times (the median worker wakes within 2 ms).
   EXPECT_LT(median_late, 2e-3);
   return false;
 }
 
-void ExpectAchievedRate(Arrivals arrivals, double rate, double expected_cv_low,
-                        double expected_cv_high) {
+void ExpectAchievedRate(Arrivals arrivals, double rate) {
   for (int attempt = 1; attempt <= 3; ++attempt) {
-    if (AchievedRateOnce(arrivals, rate, expected_cv_low, expected_cv_high, attempt == 3)) return;
+    if (AchievedRateOnce(arrivals, rate, attempt == 3)) return;
   }
 }
 
-TEST(ArrivalPacerTest, ConstantRateIsAchieved) {
-  // Timer jitter adds some spread to perfectly regular gaps, but far less than Poisson's. Wake-ups
-  // jitter by a few tenths of a millisecond on a shared machine, so the gaps are 2 ms: at 0.5 ms
-  // the jitter alone would look like a spread.
-  ExpectAchievedRate(Arrivals::kConstant, 500, 0.0, 0.6);
-}
+TEST(ArrivalPacerTest, ConstantRateIsAchieved) { ExpectAchievedRate(Arrivals::kConstant, 1000); }
 
-TEST(ArrivalPacerTest, PoissonRateIsAchieved) {
-  ExpectAchievedRate(Arrivals::kPoisson, 2000, 0.8, 1.25);
-}
+TEST(ArrivalPacerTest, PoissonRateIsAchieved) { ExpectAchievedRate(Arrivals::kPoisson, 2000); }
 
 TEST(ArrivalPacerTest, ParsesNames) {
   EXPECT_EQ(*ParseArrivals("constant"), Arrivals::kConstant);

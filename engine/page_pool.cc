@@ -14,7 +14,7 @@ int64_t PageQuotas::For(absl::string_view tenant) const {
 PagePool::PagePool(int64_t pages_per_device, PageQuotas quotas, int devices)
     : quotas_(std::move(quotas)),
       pages_per_device_(pages_per_device),
-      refs_(pages_per_device * devices, 0),
+      refs_(static_cast<size_t>(pages_per_device * devices)),
       owner_(pages_per_device * devices, 0),
       free_lists_(devices) {
   for (int d = 0; d < devices; ++d) {
@@ -61,7 +61,7 @@ absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int64_t n, absl::string_
   std::vector<int32_t> pages(free_list.end() - n, free_list.end());
   free_list.resize(free_list.size() - n);
   for (int32_t p : pages) {
-    refs_[p] = 1;
+    refs_[p].store(1, std::memory_order_relaxed);
     owner_[p] = owner;
   }
   tenant_pages_[owner] += n;
@@ -71,8 +71,8 @@ absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int64_t n, absl::string_
 void PagePool::AddRef(std::span<const int32_t> pages) {
   std::lock_guard<std::mutex> lock(mu_);
   for (int32_t p : pages) {
-    assert(refs_[p] > 0);
-    ++refs_[p];
+    assert(refs_[p].load(std::memory_order_relaxed) > 0);
+    refs_[p].fetch_add(1, std::memory_order_relaxed);
   }
 }
 
@@ -80,8 +80,8 @@ int64_t PagePool::Release(std::span<const int32_t> pages) {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t freed = 0;
   for (int32_t p : pages) {
-    assert(refs_[p] > 0);
-    if (--refs_[p] == 0) {
+    assert(refs_[p].load(std::memory_order_relaxed) > 0);
+    if (refs_[p].fetch_sub(1, std::memory_order_relaxed) == 1) {
       free_lists_[DeviceOf(p)].push_back(p);
       --tenant_pages_[owner_[p]];
       ++freed;
@@ -91,8 +91,7 @@ int64_t PagePool::Release(std::span<const int32_t> pages) {
 }
 
 int32_t PagePool::RefCount(int32_t page) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return refs_[page];
+  return refs_[page].load(std::memory_order_relaxed);
 }
 
 int64_t PagePool::free_pages() const {

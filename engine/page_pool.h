@@ -14,6 +14,7 @@
 // Thread-safe: every method may be called from any thread.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <span>
@@ -54,7 +55,11 @@ class PagePool {
   // Drops one reference from each page; returns how many pages became free.
   int64_t Release(std::span<const int32_t> pages);
 
-  // References held on `page` (0 when free).
+  // References held on `page` (0 when free), read without the pool's lock: every append checks
+  // the pages it writes for sharing. A 1 read by the caller holding the lock of the sequence
+  // that holds the page stays 1 while it holds that lock (only a fork adds a reference, and a
+  // fork locks its source); a larger count may be stale, as another holder lets go, which costs
+  // at most a copy that was not needed.
   int32_t RefCount(int32_t page) const;
 
   // Every device together.
@@ -79,7 +84,8 @@ class PagePool {
   const PageQuotas quotas_;
   const int64_t pages_per_device_;
   mutable std::mutex mu_;
-  std::vector<int32_t> refs_;       // per page
+  // Per page; changed under mu_, read by RefCount without it.
+  std::vector<std::atomic<int32_t>> refs_;
   std::vector<int32_t> owner_;      // per allocated page: index into tenant_pages_
   std::vector<std::vector<int32_t>> free_lists_;  // per device: stack of free page ids
   absl::flat_hash_map<std::string, int32_t> tenant_index_;

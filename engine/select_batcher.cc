@@ -234,6 +234,7 @@ void SelectBatcher::Finish(Launch* raw, StepStatus status) {
     observer->OnBatchLaunched(selecting);
   }
   std::unique_ptr<Launch> next;
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --inflight_;
@@ -242,8 +243,12 @@ void SelectBatcher::Finish(Launch* raw, StepStatus status) {
     if (async_ && !queue_.empty() && inflight_ < slots_ && ReadyLocked(Clock::now())) {
       next = TakeLocked();
     }
+    // The freed slot matters to a worker only when something is queued, and to the destructor
+    // only once stopping: otherwise waking the workers would cost every step a futex call and
+    // a context switch for nothing.
+    wake = stopping_ || !queue_.empty();
   }
-  cv_.notify_all();
+  if (wake) cv_.notify_all();
   if (next != nullptr) Start(std::move(next), /*checked=*/false);
   for (Group& g : launch->groups) {
     StepStatus own = status;

@@ -37,6 +37,10 @@ class SelectTicket {
   explicit SelectTicket(std::future<engine::StepStatus> done) : done_(std::move(done)) {}
   // The group's selection status.
   absl::Status Wait() { return done_.get().selects; }
+  // Whether the group ends within `timeout`.
+  bool EndsWithin(absl::Duration timeout) {
+    return done_.wait_for(absl::ToChronoMilliseconds(timeout)) == std::future_status::ready;
+  }
 
  private:
   std::future<engine::StepStatus> done_;
@@ -275,6 +279,30 @@ TEST_F(BatcherTest, AnIdleBatcherLaunchesOnTheCallersThread) {
   // Without permission it goes through a worker.
   EXPECT_TRUE(SubmitTasks(*batcher_, tasks, no_control_).Wait().ok());
   EXPECT_NE(backend_.threads().back(), std::this_thread::get_id());
+}
+
+// A worker waiting for a slot runs only when something wakes it: when the slot is held by a
+// launch on another thread (here the caller's), that launch's end must wake it for the group
+// that queued meanwhile.
+TEST_F(BatcherTest, TheEndOfALaunchOnAnotherThreadStartsWhatQueued) {
+  Start(BatchConfig(256, 0, 8192, /*max_inflight=*/1));
+  backend_.Close();
+  std::vector<SelectTask> tasks = Tasks(1);
+  absl::Status first;
+  std::thread::id caller_id;
+  std::thread caller([&] {
+    caller_id = std::this_thread::get_id();
+    first = SubmitTasks(*batcher_, tasks, no_control_, /*may_run_here=*/true).Wait();
+  });
+  ASSERT_TRUE(backend_.WaitForCalls(1));
+  SelectTicket queued = Submit(2);
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(batcher_->queued_tasks(), 2);
+  backend_.Open();
+  caller.join();
+  EXPECT_TRUE(first.ok()) << first;
+  EXPECT_EQ(backend_.threads().front(), caller_id);  // the first launch ran on the caller
+  EXPECT_TRUE(queued.EndsWithin(absl::Seconds(10))) << "the queued group was never launched";
 }
 
 // A call already past its deadline (or cancelled) when it reaches the batcher is not selected on

@@ -178,6 +178,8 @@ bool Step(engine::Engine& engine, PhaseKeeper& keeper, const std::string& bytes,
     std::fprintf(stderr, "indexer-step-path-bench: %s\n", std::string(read.message()).c_str());
     return false;
   }
+  // The answer's memory is made before the engine runs, as StepCall makes it, and counts with
+  // the engine: the engine's outputs are written there.
   server::StepAnswer answer(server::StepMessage::kBatch, wire.items.size(), wire.request_id,
                             bytes.size() / 2 + 4096);
   AnswerSink sink(&answer);

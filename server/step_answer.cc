@@ -1,5 +1,6 @@
 #include "server/step_answer.h"
 
+#include <google/protobuf/io/coded_stream.h>
 #include <grpcpp/support/slice.h>
 
 #include <algorithm>
@@ -11,20 +12,10 @@ namespace {
 // Field tags of the answers (field number << 3 | wire type; 0 varint, 2 length-delimited).
 constexpr uint8_t Tag(int field, int type) { return static_cast<uint8_t>(field << 3 | type); }
 
-size_t VarintSize(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) v >>= 7, ++n;
-  return n;
-}
+using google::protobuf::io::CodedOutputStream;
 
-uint8_t* PutVarint(uint64_t v, uint8_t* p) {
-  while (v >= 0x80) {
-    *p++ = static_cast<uint8_t>(v | 0x80);
-    v >>= 7;
-  }
-  *p++ = static_cast<uint8_t>(v);
-  return p;
-}
+size_t VarintSize(uint64_t v) { return CodedOutputStream::VarintSize64(v); }
+uint8_t* PutVarint(uint64_t v, uint8_t* p) { return CodedOutputStream::WriteVarint64ToArray(v, p); }
 
 // A varint field, left out when 0 (proto3).
 size_t VarintFieldSize(uint64_t v) { return v == 0 ? 0 : 1 + VarintSize(v); }

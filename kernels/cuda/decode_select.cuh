@@ -233,10 +233,16 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   constexpr int kCopies = Shape::kRowsBytes / kRoundBytes;
   static_assert((kDecodeWarps * 32 / Shape::kRowChunks) % 8 == 0, "256 chunks span whole swizzle periods");
   const int copy_dst = Shape::Chunk(threadIdx.x / Shape::kRowChunks, threadIdx.x % Shape::kRowChunks) * 16;
-  const auto issue = [&](int b) {
+  // Byte offsets of the stages that the next issue fills and the next block reads, stepped
+  // around the ring (a modulo by kStages, often 7, costs several instructions per block).
+  const auto next_stage = [](int offset) {
+    return offset + Shape::kPageBytes == Shape::kStageBytes ? 0 : offset + Shape::kPageBytes;
+  };
+  int issue_stage = 0, read_stage = 0;
+  const auto issue = [&](int b) {  // called once per block, in order
     if (b < b_end) {
       const char* src = key_pool + int64_t{pages[b - b_begin]} * Shape::kPageBytes + threadIdx.x * 16;
-      char* dst = smem + ((b - b_begin) % kStages) * Shape::kPageBytes + copy_dst;
+      char* dst = smem + issue_stage + copy_dst;
 #pragma unroll
       for (int i = 0; i < kCopies; ++i) CpAsync16(dst + i * kRoundBytes, src + i * kRoundBytes);
       if constexpr (Shape::kScaleChunks > 0) {
@@ -246,6 +252,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
       }
     }
     CpAsyncCommit();  // empty groups past the end keep the wait count uniform
+    issue_stage = next_stage(issue_stage);
   };
 #pragma unroll
   for (int i = 0; i + 1 < kStages; ++i) issue(b_begin + i);
@@ -303,7 +310,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
     __syncthreads();  // block b staged for all; block b - 1's stage and maxima are done with
     issue(b + kStages - 1);
     if (b > b_begin) flush(b - 1);
-    const char* stage = smem + ((b - b_begin) % kStages) * Shape::kPageBytes;
+    const char* stage = smem + read_stage;
+    read_stage = next_stage(read_stage);
     float row_max[NT][2];  // this warp's block maximum per query row
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) row_max[nt][0] = row_max[nt][1] = NaNf();
@@ -315,7 +323,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
       const auto mma = [&](int ks, const uint32_t(&a)[4]) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          if (nt * 8 < rows) {
+          if (nt == 0 || nt * 8 < rows) {  // a span has a row: no branch around the first tile
             if constexpr (S == KeyStorage::kBf16) {
               MmaBf16(acc[nt], a, query_frags[nt][ks][0], query_frags[nt][ks][1]);
             } else {
@@ -335,6 +343,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
       } else if constexpr (S == KeyStorage::kFp4E2M1) {
         // One ldmatrix.x4 per four k-steps: word t of code chunks 2kp, 2kp + 1 of rows g and
         // g + 8, 8 values of group 4kp + 2h + t / 2 each; their scales from the row's scale bytes.
+        // The operands are the stored values times 2^-6 (DecodeFp4Word), and so are the sums,
+        // exactly: the block maxima below take the factor back.
         const unsigned char* scale_rows =
             reinterpret_cast<const unsigned char*>(stage) + Shape::kRowsBytes;
         Fp4ScaleRow<D> scales_g, scales_g8;
@@ -386,6 +396,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
             const float hi = tok + 8 <= col_pos[nt][c] ? acc[nt][2 + c] : NaNf();
             row_max[nt][c] = MaxSkipNaN(lo, hi);
           }
+        }
+        if constexpr (S == KeyStorage::kFp4E2M1) {
+          row_max[nt][0] *= 64.f;  // exact: a power of two, far from fp32's limits
+          row_max[nt][1] *= 64.f;
         }
       }
     }

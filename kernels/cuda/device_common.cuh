@@ -113,27 +113,29 @@ struct Fp4ScaleRow {
     }
   }
 
-  // scale * 2^6 of group `group_base` + t / 2 in both halves of an f16x2 (exact: at most
-  // 448 * 64). group_base is a multiple of 2 known at compile time; t < 4.
+  // The scale of group `group_base` + t / 2 in both halves of an f16x2 (exact). group_base is a
+  // multiple of 2 known at compile time; t < 4.
   __device__ __forceinline__ uint32_t F16x2(int group_base, int t) const {
     const uint32_t byte = static_cast<uint32_t>((group_base & 3) + (t >> 1));
     const uint32_t pair = __byte_perm(words[group_base >> 2], 0u, byte * 0x11u);
-    return MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(pair & 0xffffu)), kF16x2TwoPow6);
+    return Fp8x2ToF16x2(static_cast<uint16_t>(pair & 0xffffu));
   }
 };
 
-// Eight e2m1 codes (nibble k = value k of a run of 8 in one group) -> code * scale as f16,
-// exact, with `scale64` = scale * 2^6 in both halves (Fp4ScaleRow::F16x2): e4m3 bytes of
-// code * 2^-6 (numeric.h's Fp4CodesToE4M3), converted to f16 exactly, times scale * 2^6.
+// Eight e2m1 codes (nibble k = value k of a run of 8 in one group) -> code * 2^-6 * m as f16,
+// with `m` in both halves: e4m3 bytes of code * 2^-6 (numeric.h's Fp4CodesToE4M3), converted to
+// f16 exactly, times m. Exact for m = scale * 2^6 (code * scale, at most 6 * 448) and for
+// m = scale (code * scale * 2^-6: six significant bits at most, from 2^-16 to 42, never an f16
+// rounding), which spares a multiply where a power-of-two factor can be applied to the sums.
 // out[0] = values (0, 2), out[1] = (4, 6), out[2] = (1, 3), out[3] = (5, 7), the first of each
 // pair in the low half.
-__device__ __forceinline__ void DecodeFp4Word(uint32_t w, uint32_t scale64, uint32_t (&out)[4]) {
+__device__ __forceinline__ void DecodeFp4Word(uint32_t w, uint32_t m, uint32_t (&out)[4]) {
   uint32_t even, odd;
   Fp4CodesToE4M3(w, &even, &odd);
-  out[0] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(even & 0xffffu)), scale64);
-  out[1] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(even >> 16)), scale64);
-  out[2] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(odd & 0xffffu)), scale64);
-  out[3] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(odd >> 16)), scale64);
+  out[0] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(even & 0xffffu)), m);
+  out[1] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(even >> 16)), m);
+  out[2] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(odd & 0xffffu)), m);
+  out[3] = MulF16x2(Fp8x2ToF16x2(static_cast<uint16_t>(odd >> 16)), m);
 }
 
 // f16x2 -> two floats, exactly.

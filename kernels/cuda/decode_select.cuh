@@ -21,10 +21,12 @@
 //
 // fp4 pages stream as their codes (swizzled like the other storages' rows) and their scales
 // (copied as they are). A lane's 32-bit word of codes holds 8 values of one group; they are
-// decoded in registers to f16 code * scale, exact (at most 6 significant bits, magnitudes in
-// [2^-10, 2688]): each code is rewritten as an e4m3 byte of value code * 2^-6, converted to f16
-// by the same instruction as fp8, and multiplied by scale * 2^6 (exact in f16). Even and odd
-// values of a word feed different k-steps, again permuting dimensions for keys and queries alike.
+// decoded in registers to f16 code * scale * 2^-6, exact (at most 6 significant bits,
+// magnitudes in [2^-16, 42]): each code is rewritten as an e4m3 byte of value code * 2^-6,
+// converted to f16 by the same instruction as fp8, and multiplied by the scale (exact in f16).
+// The sums are then exactly the stored keys' times 2^-6, and the block maxima are multiplied by
+// 64. Even and odd values of a word feed different k-steps, again permuting dimensions for keys
+// and queries alike.
 #pragma once
 
 #include <cuda/atomic>

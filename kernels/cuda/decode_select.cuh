@@ -379,8 +379,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
             const uint32_t row_g = r[2 * h], row_g8 = r[2 * h + 1];  // dims 4t..4t+3
             const uint32_t a[4] = {Fp8x2ToF16x2(static_cast<uint16_t>(row_g & 0xffffu)),
                                    Fp8x2ToF16x2(static_cast<uint16_t>(row_g8 & 0xffffu)),
-                                   Fp8x2ToF16x2(static_cast<uint16_t>(row_g >> 16)),
-                                   Fp8x2ToF16x2(static_cast<uint16_t>(row_g8 >> 16))};
+                                   Fp8x2HiToF16x2(row_g), Fp8x2HiToF16x2(row_g8)};
             mma(2 * kp + h, a);
           }
         }

@@ -399,8 +399,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
           }
         }
         if constexpr (S == KeyStorage::kFp4E2M1) {
-          row_max[nt][0] *= 64.f;  // exact: a power of two, far from fp32's limits
-          row_max[nt][1] *= 64.f;
+          row_max[nt][0] *= kFp4CodeFactor;  // exact: a power of two, far from fp32's limits
+          row_max[nt][1] *= kFp4CodeFactor;
         }
       }
     }

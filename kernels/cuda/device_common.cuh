@@ -98,7 +98,10 @@ __device__ __forceinline__ uint32_t MulF16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
-// f16x2 of 2^6 in both halves.
+// 2^6: DecodeFp4Word's code bytes are code * 2^-6, so what it decodes with the bare scale, and
+// every sum of it, is 2^-6 of the stored value; this, or kF16x2TwoPow6 (f16x2 of 2^6 in both
+// halves), takes the factor back.
+inline constexpr float kFp4CodeFactor = 64.f;
 inline constexpr uint32_t kF16x2TwoPow6 = 0x54005400u;
 
 // One fp4 key's scale bytes (D / 16, one per group) in registers, from a staged page.

@@ -104,6 +104,21 @@ absl::Status Engine::WritePagesAnyDevice(std::span<const int32_t> pages, const u
   });
 }
 
+std::vector<int> Engine::DeviceTensorOrdinals() const {
+  std::vector<int> out;
+  for (const EngineDevice& d : core_->devices) {
+    if (d.backend->TakesDeviceTensors(d.slot.ordinal)) out.push_back(d.slot.ordinal);
+  }
+  return out;
+}
+
+bool Engine::TakesMappedHostTensors() const {
+  for (const EngineDevice& d : core_->devices) {
+    if (!d.backend->TakesDeviceTensors(kMappedHostTensor)) return false;
+  }
+  return !core_->devices.empty();
+}
+
 void Engine::BatchAsync(std::span<const StepRequest> items, const CallControl& control,
                         OutputSink* sink, BatchDone done) {
   BatchCall::Start(*core_, gate_, items, control, sink, observer_.load(), std::move(done));

@@ -191,6 +191,12 @@ class Engine {
   // Device 0's backend (the only one of a one-device engine).
   const KeyCacheBackend& backend() const { return *core_->devices[0].backend; }
   int num_devices() const { return static_cast<int>(core_->devices.size()); }
+  // The CUDA devices whose memory some device's backend reads in place (KeyCacheBackend::
+  // TakesDeviceTensors): where clients' CUDA regions may live. Empty for the CPU backend.
+  std::vector<int> DeviceTensorOrdinals() const;
+  // Whether every device's backend takes tensors in mapped host memory (kMappedHostTensor):
+  // then the server pins system regions and lets the kernels read them in place.
+  bool TakesMappedHostTensors() const;
   const KeyCacheBackend& backend(int device) const { return *core_->devices[device].backend; }
   const DeviceSlot& slot(int device) const { return core_->devices[device].slot; }
 

@@ -24,6 +24,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "engine/wire_values.h"
 #include "kernels/select_types.h"
 
 namespace indexer::engine {
@@ -124,6 +125,12 @@ class KeyCacheBackend {
   // caller's thread only the staging): the SelectBatcher then launches on any thread, never
   // handing a step to a thread of its own.
   virtual bool RunsAsync() const { return false; }
+  // Whether Run takes keys, queries and outputs that a device reads in place (KeyWrite::
+  // keys_on_device, SpanSelect::queries_on_device and outputs_on_device) in memory `place`
+  // (wire_values.h: a CUDA device's ordinal, or kMappedHostTensor): a CUDA backend does for its
+  // own device and for mapped host memory. The engine never passes them to a backend that
+  // does not.
+  virtual bool TakesDeviceTensors(int /*ordinal*/) const { return false; }
   virtual int MaxConcurrentSteps() const { return INT_MAX; }
 
   // Stores keys, converting bf16 to the cache's storage type.

@@ -39,7 +39,10 @@ absl::Status PrepareAppend(const EngineConfig& config, const AppendRequest& r,
     out->layer_count = 1;
   }
   const int64_t row = int64_t{out->layer_count} * config.head_dim;
-  INDEXER_RETURN_IF_ERROR(DecodeRowsView(r.keys, r.dtype, row, "keys", &out->keys));
+  out->keys_device = r.keys_device;
+  INDEXER_RETURN_IF_ERROR(r.keys_device != kHostTensor
+                              ? DeviceRowsView(r.keys, r.dtype, row, "keys", &out->keys)
+                              : DecodeRowsView(r.keys, r.dtype, row, "keys", &out->keys));
   out->num_tokens = out->keys.rows;
   INDEXER_RETURN_IF_ERROR(CheckDeclaredTokens("keys", r.num_tokens, out->num_tokens, row));
   if (out->num_tokens > config.max_tokens_per_sequence) {
@@ -72,7 +75,11 @@ absl::Status PrepareSelect(const EngineConfig& config, const StepRequest& r, Pre
   INDEXER_RETURN_IF_ERROR(CheckRange("num_heads", r.num_heads, 1, config.max_index_heads));
   out->num_heads = static_cast<int>(r.num_heads);
   const int64_t row = r.num_heads * config.head_dim;
-  INDEXER_RETURN_IF_ERROR(DecodeRowsView(r.queries, r.query_dtype, row, "queries", &out->queries));
+  out->queries_device = r.queries_device;
+  INDEXER_RETURN_IF_ERROR(
+      r.queries_device != kHostTensor
+          ? DeviceRowsView(r.queries, r.query_dtype, row, "queries", &out->queries)
+          : DecodeRowsView(r.queries, r.query_dtype, row, "queries", &out->queries));
   const int64_t n = out->queries.rows;
   INDEXER_RETURN_IF_ERROR(CheckDeclaredTokens("queries", r.num_tokens, n, row));
   INDEXER_RETURN_IF_ERROR(CheckRange("query tokens (queries rows)", n, 1, config.max_query_tokens));
@@ -96,6 +103,12 @@ absl::Status PrepareSelect(const EngineConfig& config, const StepRequest& r, Pre
   INDEXER_RETURN_IF_ERROR(CheckProvided(
       "page_table", r.outputs.page_table, rows * topk * config.page_table.pages_per_block));
   INDEXER_RETURN_IF_ERROR(CheckProvided("context_lens", r.outputs.context_lens, rows));
+  if (r.outputs.device != kHostTensor && (r.outputs.block_ids.empty() || r.outputs.page_table.empty() ||
+                                r.outputs.context_lens.empty())) {
+    return absl::InvalidArgumentError(
+        "outputs in a CUDA region must name all three references (block_ids, page_table, "
+        "context_lens); the last two are written only when the sequence has attention pages");
+  }
   out->outputs = r.outputs;
   return absl::OkStatus();
 }

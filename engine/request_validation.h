@@ -38,6 +38,7 @@ struct PreparedAppend {
   int layer_count = 1;
   int64_t num_tokens = 0;
   Bf16Rows keys;                    // [num_tokens][layer_count][head_dim]
+  int keys_device = kHostTensor;    // where the keys live (wire_values.h)
   std::span<const int32_t> attn;    // attention pages for the blocks it opens
 };
 
@@ -54,6 +55,7 @@ struct PreparedStep {
   int num_heads = 0;
   int num_tokens = 0;
   Bf16Rows queries;  // [num_tokens][num_heads][head_dim]
+  int queries_device = kHostTensor;  // where the queries live (wire_values.h)
   kernels::SelectParams params;
   ProvidedOutputs outputs;  // checked to hold the selection's full shape
 

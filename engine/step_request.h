@@ -28,6 +28,10 @@ struct AppendRequest {
   absl::string_view tenant = kDefaultTenant;
   // The tokens the caller says `keys` holds; checked against the byte size when set.
   std::optional<int64_t> num_tokens;
+  // Where `keys` lives (wire_values.h): kHostTensor, or memory a device reads in place -- BF16
+  // only (DeviceRowsView), stored only by a backend that TakesDeviceTensors of it; a sequence on
+  // another device fails with FAILED_PRECONDITION.
+  int keys_device = kHostTensor;
 };
 
 // Caller memory a selection writes its outputs to instead of the OutputSink's (the server
@@ -38,6 +42,8 @@ struct ProvidedOutputs {
   std::span<int32_t> block_ids;
   std::span<int32_t> page_table;
   std::span<int32_t> context_lens;
+  // Where every non-empty span above lives (as AppendRequest::keys_device).
+  int device = kHostTensor;
 };
 
 // One step for one sequence: an optional append, then a selection when `queries` is non-empty.
@@ -54,6 +60,7 @@ struct StepRequest {
   // The query tokens the caller says `queries` holds; checked against the byte size when set.
   std::optional<int64_t> num_tokens;
   ProvidedOutputs outputs;
+  int queries_device = kHostTensor;  // as AppendRequest::keys_device, for `queries`
   // Not OK when the caller found the item unusable while building it (a tensor reference that
   // does not resolve): the item fails with this status before any other check, applying nothing.
   absl::Status refused;

@@ -137,9 +137,30 @@ void Wave::Charge(Step& s) {
   s.charged = std::max<int64_t>(bytes, 0);
 }
 
+absl::Status Wave::CheckDeviceTensors(const Step& s) const {
+  const PreparedStep& r = *s.request;
+  const int devices[] = {r.has_append ? r.append.keys_device : kHostTensor,
+                         r.has_select ? r.queries_device : kHostTensor,
+                         r.has_select ? r.outputs.device : kHostTensor};
+  const EngineDevice& home = core_.devices[s.seq->device];
+  for (int device : devices) {
+    if (device == kHostTensor || home.backend->TakesDeviceTensors(device)) continue;
+    if (home.backend->name() != "cuda") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the ", home.backend->name(), " backend cannot read tensors in CUDA regions"));
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence '", s.seq->id, "' is on GPU ", home.slot.ordinal,
+        "; its tensors are in a CUDA region on GPU ", device,
+        " (a step's CUDA regions must be on its sequence's GPU)"));
+  }
+  return absl::OkStatus();
+}
+
 void Wave::Apply(Step& s) {
   if (s.failed) return;
   const PreparedStep& r = *s.request;
+  if (absl::Status placed = CheckDeviceTensors(s); !placed.ok()) return Fail(s, placed);
   if (r.has_append) {
     const absl::Status status = ApplyAppend(s);
     if (!status.ok()) return Fail(s, status);
@@ -238,6 +259,8 @@ absl::Status Wave::ApplyAppend(Step& s) {
   s.writes = true;
   s.write = KeyWrite{seq.pages.data(), a.num_tokens, a.layer_begin, a.layer_count,
                      s.write_starts.data(), a.keys.data};
+  s.write.keys_on_device = a.keys_device != kHostTensor;
+  s.write.keys_nonfinite = &s.keys_nonfinite;
   return absl::OkStatus();
 }
 
@@ -291,6 +314,9 @@ void Wave::PrepareSelect(Step& s) {
   span.block_ids = out.block_ids;
   span.page_table = out.page_table;
   span.context_lens = out.context_lens;
+  span.queries_on_device = r.queries_device != kHostTensor;
+  span.outputs_on_device = given.device != kHostTensor;
+  span.queries_nonfinite = &s.queries_nonfinite;
 }
 
 void Wave::Submit() {
@@ -357,6 +383,13 @@ void Wave::Complete() {
                                                                          : c.status.selects;
       if (!status.ok()) {
         Rollback(*s, status);
+        continue;
+      }
+      if (s->keys_nonfinite != 0 || s->queries_nonfinite != 0) {
+        Rollback(*s, absl::InvalidArgumentError(absl::StrCat(
+                         s->keys_nonfinite != 0 ? "keys" : "queries",
+                         " (read by the device) hold a value that is not finite; every value must "
+                         "be finite")));
         continue;
       }
       for (const auto& [block, original] : s->undo.replaced) {

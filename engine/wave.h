@@ -88,6 +88,9 @@ class Wave {
     absl::InlinedVector<int64_t, 4> write_starts;  // write.layer_start points here
     bool selects = false;
     SelectTask task;
+    // Set by the backend for device-resident keys and queries: 1 when a value was not finite.
+    int32_t keys_nonfinite = 0;
+    int32_t queries_nonfinite = 0;
     int chunk = -1;
   };
   // One SelectBatcher group: a device's share (or part) of the wave.
@@ -107,6 +110,9 @@ class Wave {
   void Resolve(std::vector<int64_t>& free, std::vector<int64_t>& planned);
   void Charge(Step& s);
   void Apply(Step& s);
+  // FAILED_PRECONDITION when a tensor of the step is device memory that its sequence's backend
+  // cannot read (another GPU's, or any for a backend without device tensors).
+  absl::Status CheckDeviceTensors(const Step& s) const;
   absl::Status ApplyAppend(Step& s);
   void PrepareSelect(Step& s);
   void Submit();

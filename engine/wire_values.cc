@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "engine/status_macros.h"
 #include "kernels/numeric.h"
 
 namespace indexer::engine {
@@ -92,6 +93,23 @@ absl::Status DecodeRowsView(absl::string_view bytes, WireDtype dtype, int64_t ro
     out->data = out->owned.data();
   }
   return CheckFinite(out->data, n, dtype, row_values, field);
+}
+
+absl::Status DeviceRowsView(absl::string_view bytes, WireDtype dtype, int64_t row_values,
+                            absl::string_view field, Bf16Rows* out) {
+  if (dtype != WireDtype::kBf16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " is in a CUDA region: its dtype must be BF16 (the server converts no other dtype "
+        "there)"));
+  }
+  INDEXER_RETURN_IF_ERROR(CheckRowBytes(bytes, dtype, row_values, field, &out->rows));
+  if (reinterpret_cast<uintptr_t>(bytes.data()) % kDeviceTensorAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " is in a CUDA region at an address that is not a multiple of ",
+        kDeviceTensorAlignment, " bytes; align its offset"));
+  }
+  out->data = reinterpret_cast<const uint16_t*>(bytes.data());
+  return absl::OkStatus();
 }
 
 }  // namespace indexer::engine

@@ -39,4 +39,22 @@ struct Bf16Rows {
 absl::Status DecodeRowsView(absl::string_view bytes, WireDtype dtype, int64_t row_values,
                             absl::string_view field, Bf16Rows* out);
 
+// Where a request's tensor lives (AppendRequest::keys_device, StepRequest::queries_device,
+// ProvidedOutputs::device): host memory the engine reads (kHostTensor); memory of CUDA device
+// d >= 0 (a client's CUDA region); or host memory that every GPU of the host reads and writes
+// in place (kMappedHostTensor: a system region the server pinned). The last two are read only
+// by a backend that TakesDeviceTensors of them, never by the engine.
+inline constexpr int kHostTensor = -1;
+inline constexpr int kMappedHostTensor = -2;
+
+// Device tensors start at a multiple of this many bytes: the device copies them in 16-byte
+// words.
+inline constexpr uintptr_t kDeviceTensorAlignment = 16;
+
+// The checks DecodeRowsView makes that need no access to the values, for bytes a device reads
+// (not kHostTensor): dtype BF16 only, whole rows, kDeviceTensorAlignment; *out views the bytes.
+// Their values are checked on the device, when the step runs (SpanSelect::queries_nonfinite).
+absl::Status DeviceRowsView(absl::string_view bytes, WireDtype dtype, int64_t row_values,
+                            absl::string_view field, Bf16Rows* out);
+
 }  // namespace indexer::engine

@@ -43,6 +43,13 @@ struct SpanSelect {
   int32_t* block_ids = nullptr;     // out: [n][H][topk]
   int32_t* page_table = nullptr;    // out: [n][H][topk * pages_per_block], when attn_pages
   int32_t* context_lens = nullptr;  // out: [n][H], when attn_pages
+  // Queries, or the three outputs, in device memory of the backend that runs the selection (a
+  // client's CUDA region) instead of host memory: only a CUDA backend takes them (the engine
+  // checks). The backend copies device queries into its staging with NaN and Inf read as 0, and
+  // then sets *queries_nonfinite (host memory) to 1 when it found one, else 0.
+  bool queries_on_device = false;
+  bool outputs_on_device = false;
+  int32_t* queries_nonfinite = nullptr;
 };
 
 // Blocks visible to a query at position p: V = floor(p / 128) + 1.
@@ -60,7 +67,7 @@ inline constexpr int64_t SpanScores(const SpanSelect& span) {
 // Keys for `num_tokens` tokens of layers [layer_begin, layer_begin + layer_count) of one
 // sequence, as bf16 bits laid out [num_tokens][layer_count][head_dim]. Layer layer_begin + l
 // receives them at positions [layer_start[l], layer_start[l] + num_tokens); position t goes to
-// page block_table[t / 128], slot t % 128. Pointers are host memory.
+// page block_table[t / 128], slot t % 128. Pointers are host memory, the keys aside when keys_on_device.
 struct KeyWrite {
   const int32_t* block_table = nullptr;
   int64_t num_tokens = 0;
@@ -68,6 +75,10 @@ struct KeyWrite {
   int layer_count = 1;
   const int64_t* layer_start = nullptr;  // [layer_count]
   const uint16_t* keys = nullptr;
+  // `keys` in device memory of the backend that stores them (a client's CUDA region), 16-byte
+  // aligned: as SpanSelect's device queries, with *keys_nonfinite (host) set at the end.
+  bool keys_on_device = false;
+  int32_t* keys_nonfinite = nullptr;
 
   // One past the last position any layer of the write reaches.
   int64_t EndPosition() const {

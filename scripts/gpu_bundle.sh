@@ -14,12 +14,12 @@ if command -v ccache >/dev/null 2>&1; then
 fi
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a-real \
   "${launcher[@]}" >/dev/null
-cmake --build "$build" --target gpu_select_test cuda_backend_test security_gpu_test indexer-kernel-bench \
+cmake --build "$build" --target gpu_select_test cuda_backend_test cuda_region_test security_gpu_test indexer-kernel-bench \
   indexer-stream-probe indexer-launch-probe indexer-server indexer-cli indexer-bench indexer-echo-server fuzz_corpus_test
 rm -rf "$root/.device/bundle" "$root/.device/bench"
 mkdir -p "$root/.device"
 bundler=${BUNDLE_LIBS:-$root/../shared/tools/bundle-libs.sh}
-for bin in "$build/tests/gpu/gpu_select_test" "$build/tests/gpu/cuda_backend_test" \
+for bin in "$build/tests/gpu/gpu_select_test" "$build/tests/gpu/cuda_backend_test" "$build/tests/gpu/cuda_region_test" \
            "$build/tests/security/security_gpu_test" \
            "$build/kernels/indexer-kernel-bench" "$build/kernels/indexer-stream-probe" "$build/kernels/indexer-launch-probe" "$build/server/indexer-server" \
            "$build/client/cpp/indexer-cli" "$build/client/bench/indexer-bench" \

@@ -49,6 +49,19 @@ if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = backend ]; then
   step "CUDA backend vs CPU backend through the engine"
   $bundle/cuda_backend_test 2>&1 | tee "$out/cuda_backend_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure' || true
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  step "CUDA regions through an indexer-server child"
+  INDEXER_SERVER_BINARY=$bundle/indexer-server $bundle/cuda_region_test 2>&1 | tee "$out/cuda_region_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure|answered' || true
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # The Python client's CudaRegion, with torch: the installed package of a local build, carried
+  # beside the bundle (PYTHON_PACKAGE, default build/python); skipped when it was not carried.
+  if [ -d "${PYTHON_PACKAGE:-build/python}/indexer_client" ]; then
+    step "Python CudaRegion (torch CUDA memory) against the CUDA server"
+    PYTHONPATH=${PYTHON_PACKAGE:-build/python} INDEXER_SERVER_BIN=$bundle/indexer-server \
+      python3 tests/python/test_cuda_region.py > "$out/python_cuda_region.log" 2>&1
+    rc=$?
+    tail -n 3 "$out/python_cuda_region.log"
+    [ "$rc" -eq 0 ] || status=1
+  fi
   step "snapshots across the CUDA and CPU backends"
   $bundle/security_gpu_test 2>&1 | tee "$out/security_gpu_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure' || true
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -195,7 +195,8 @@ absl::Status IndexerServer::StartMetrics(const ServerOptions& options) {
 void IndexerServer::MakeServices(const ServerOptions& options) {
   executor_ = std::make_unique<RequestExecutor>(HandlerThreads(options), options.handler_spin_us);
   calls_ = std::make_unique<CallTracker>();
-  regions_ = std::make_unique<RegionRegistry>(options.max_regions);
+  regions_ = std::make_unique<RegionRegistry>(options.max_regions, engine_->DeviceTensorOrdinals(),
+                                              engine_->TakesMappedHostTensors());
   service_ = std::make_unique<IndexerService>(engine_.get(), executor_.get(), access_.get(),
                                               metrics_.get(), flags::ProgramVersion(), options.max_message_bytes,
                                               calls_.get(), regions_.get());

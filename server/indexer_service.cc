@@ -231,6 +231,18 @@ grpc::ServerUnaryReactor* IndexerService::RegisterSystemRegion(Ctx* ctx, const B
   });
 }
 
+grpc::ServerUnaryReactor* IndexerService::RegisterCudaRegion(Ctx* ctx, const Bytes* req,
+                                                             Bytes* resp) {
+  return Defer<v1::RegisterCudaRegionRequest, v1::RegisterCudaRegionResponse>(
+      ctx, "RegisterCudaRegion", req, resp,
+      [this](const Caller& caller, const v1::RegisterCudaRegionRequest& q,
+             v1::RegisterCudaRegionResponse* /*out*/) {
+    if (regions_ == nullptr) return ToGrpcStatus(NoRegions());
+    return ToGrpcStatus(regions_->RegisterCuda(caller.tenant, q.name(), q.raw_handle(),
+                                               q.device_id(), q.offset(), q.byte_size()));
+  });
+}
+
 grpc::ServerUnaryReactor* IndexerService::UnregisterRegion(Ctx* ctx, const Bytes* req, Bytes* resp) {
   return Defer<v1::UnregisterRegionRequest, v1::UnregisterRegionResponse>(
       ctx, "UnregisterRegion", req, resp,
@@ -258,6 +270,8 @@ grpc::ServerUnaryReactor* IndexerService::ListRegions(Ctx* ctx, const Bytes* req
       status->set_key(r.key);
       status->set_offset(r.offset);
       status->set_byte_size(r.byte_size);
+      if (r.device >= 0) status->set_device_id(r.device);
+      status->set_pinned(r.pinned);
     }
     return grpc::Status::OK;
   });

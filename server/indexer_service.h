@@ -39,9 +39,10 @@ using RawIndexerService = v1::Indexer::WithRawCallbackMethod_AppendKeys<
                             v1::Indexer::WithRawCallbackMethod_ServerInfo<
                                 v1::Indexer::WithRawCallbackMethod_GetStats<
                                     v1::Indexer::WithRawCallbackMethod_RegisterSystemRegion<
-                                        v1::Indexer::WithRawCallbackMethod_UnregisterRegion<
-                                            v1::Indexer::WithRawCallbackMethod_ListRegions<
-                                                v1::Indexer::Service>>>>>>>>>>>>>;
+                                        v1::Indexer::WithRawCallbackMethod_RegisterCudaRegion<
+                                            v1::Indexer::WithRawCallbackMethod_UnregisterRegion<
+                                                v1::Indexer::WithRawCallbackMethod_ListRegions<
+                                                    v1::Indexer::Service>>>>>>>>>>>>>>;
 
 class IndexerService final : public RawIndexerService {
  public:
@@ -75,6 +76,7 @@ class IndexerService final : public RawIndexerService {
   Unary* GetStats(Ctx* ctx, const Bytes* req, Bytes* resp) override;
   Unary* ServerInfo(Ctx* ctx, const Bytes* req, Bytes* resp) override;
   Unary* RegisterSystemRegion(Ctx* ctx, const Bytes* req, Bytes* resp) override;
+  Unary* RegisterCudaRegion(Ctx* ctx, const Bytes* req, Bytes* resp) override;
   Unary* UnregisterRegion(Ctx* ctx, const Bytes* req, Bytes* resp) override;
   Unary* ListRegions(Ctx* ctx, const Bytes* req, Bytes* resp) override;
 

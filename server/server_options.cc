@@ -60,7 +60,7 @@ ABSL_FLAG(int64_t, max_sequences, 65536,
           "create one more fails with RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, max_regions, 64,
           "Shared-memory regions a tenant may register at once for tensors passed by reference "
-          "(RegisterSystemRegion; 0: the server takes none). Any caller can make the server map "
+          "(RegisterSystemRegion, RegisterCudaRegion; 0: the server takes none). Any caller can make the server map "
           "a shared memory object its user can open: see docs/SECURITY.md");
 ABSL_FLAG(int64_t, tenant_max_sequences, 0,
           "Most sequences one tenant holds at once (0 = no limit but --max_sequences); a call that "

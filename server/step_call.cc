@@ -78,20 +78,51 @@ void StepCall::ResolveRefs(std::span<const ItemRef> refs) {
   const size_t item = refs.front().item;
   engine::StepRequest& step = wire_.items[item];
   absl::Status& refused = step.refused;
-  auto input = [&](const RegionRefView& ref, absl::string_view field, absl::string_view* bytes) {
+  auto input = [&](const RegionRefView& ref, absl::string_view field, engine::WireDtype dtype,
+                   absl::string_view* bytes, int* device) {
     if (!bytes->empty()) {
       refused = absl::InvalidArgumentError(
           absl::StrCat(field, " and its inline bytes are both set; send one of the two"));
       return;
     }
-    absl::StatusOr<absl::string_view> resolved = regions_.Input(item, ref, field);
-    if (resolved.ok()) *bytes = *resolved;
-    else refused = resolved.status();
+    absl::StatusOr<ResolvedInput> resolved = regions_.Input(item, ref, field);
+    if (!resolved.ok()) {
+      refused = resolved.status();
+      return;
+    }
+    *bytes = resolved->bytes;
+    *device = resolved->device;
+    // A pinned system region is read in place by the device where the device can (bf16 at
+    // aligned addresses), else on the host like any system region.
+    if (*device == engine::kMappedHostTensor &&
+        (dtype != engine::WireDtype::kBf16 ||
+         reinterpret_cast<uintptr_t>(bytes->data()) % engine::kDeviceTensorAlignment != 0)) {
+      *device = engine::kHostTensor;
+    }
   };
+  auto in_host = [](int device) { return device < 0; };
+  bool any_output = false;
   auto output = [&](const RegionRefView& ref, absl::string_view field, std::span<int32_t>* out) {
-    absl::StatusOr<std::span<int32_t>> values = regions_.Output(item, ref, field);
-    if (values.ok()) *out = *values;
-    else refused = values.status();
+    absl::StatusOr<ResolvedOutput> resolved = regions_.Output(item, ref, field);
+    if (!resolved.ok()) {
+      refused = resolved.status();
+      return;
+    }
+    // The three outputs go to one kind of memory: host, or one GPU's.
+    if (any_output && resolved->device != step.outputs.device &&
+        !(in_host(resolved->device) && in_host(step.outputs.device))) {
+      refused = absl::InvalidArgumentError(absl::StrCat(
+          field, " is in ", in_host(resolved->device) ? "host memory" : "a CUDA region",
+          " and an earlier output reference is not: an item's outputs must all be in system "
+          "regions or all in CUDA regions of one GPU"));
+      return;
+    }
+    *out = resolved->values;
+    // Host outputs of both kinds together are written on the host.
+    step.outputs.device = any_output && resolved->device != step.outputs.device
+                              ? engine::kHostTensor
+                              : resolved->device;
+    any_output = true;
   };
   // Field by field in a fixed order, so that an item with several bad references is refused
   // for the same one however its fields were ordered on the wire.
@@ -101,8 +132,12 @@ void StepCall::ResolveRefs(std::span<const ItemRef> refs) {
     if (named == refs.end()) continue;
     const RegionRefView& ref = named->ref;
     switch (named->field) {
-      case ItemRef::kKeys: input(ref, "keys_ref", &step.append->keys); break;
-      case ItemRef::kQueries: input(ref, "queries_ref", &step.queries); break;
+      case ItemRef::kKeys:
+        input(ref, "keys_ref", step.append->dtype, &step.append->keys, &step.append->keys_device);
+        break;
+      case ItemRef::kQueries:
+        input(ref, "queries_ref", step.query_dtype, &step.queries, &step.queries_device);
+        break;
       case ItemRef::kBlockIds: output(ref, "output_refs.block_ids", &step.outputs.block_ids); break;
       case ItemRef::kPageTable:
         output(ref, "output_refs.page_table", &step.outputs.page_table);
@@ -111,6 +146,17 @@ void StepCall::ResolveRefs(std::span<const ItemRef> refs) {
         output(ref, "output_refs.context_lens", &step.outputs.context_lens);
         break;
     }
+  }
+  PlaceOutputs(step);
+}
+
+void StepCall::PlaceOutputs(engine::StepRequest& step) {
+  // The device writes pinned host outputs in place only when it writes all three (the rule for
+  // device-written outputs); otherwise they are written on the host.
+  engine::ProvidedOutputs& o = step.outputs;
+  if (o.device == engine::kMappedHostTensor &&
+      (o.block_ids.empty() || o.page_table.empty() || o.context_lens.empty())) {
+    o.device = engine::kHostTensor;
   }
 }
 

@@ -95,6 +95,8 @@ class StepCall final : public engine::OutputSink {
   void ResolveRefs(std::span<const ItemRef> refs);
   // Refuses every item whose output reference overlaps another reference of the call.
   void RefuseConflicts();
+  // Where an item's provided outputs are written once its references are resolved.
+  static void PlaceOutputs(engine::StepRequest& step);
   // The answer, one result per item, its output memory sized for `request_bytes`.
   void MakeAnswer(size_t request_bytes);
   void OnEnd(absl::Status call, std::vector<absl::StatusOr<engine::StepResult>> results);

@@ -9,7 +9,7 @@
 //                        (several may be in flight), answered at once or on the handler
 //                        threads, and the answers written in the order the requests came
 //   ServerInfo     a shape indexer-bench accepts (--head_dim, --layers, a huge free pool)
-//   other RPCs     an empty OK answer (RegisterSystemRegion too: nothing is mapped)
+//   other RPCs     an empty OK answer (RegisterSystemRegion and RegisterCudaRegion too: nothing is mapped)
 //
 // Tensors by reference (keys_ref, queries_ref) count by their byte_size, and an output with a
 // reference is left out of the answer, as the real server leaves it: the floor of a
@@ -241,6 +241,11 @@ class EchoService final : public v1::Indexer::CallbackService {
   grpc::ServerUnaryReactor* RegisterSystemRegion(
       grpc::CallbackServerContext* ctx, const v1::RegisterSystemRegionRequest* /*req*/,
       v1::RegisterSystemRegionResponse* /*resp*/) override {
+    return Run(ctx, [] {});
+  }
+  grpc::ServerUnaryReactor* RegisterCudaRegion(
+      grpc::CallbackServerContext* ctx, const v1::RegisterCudaRegionRequest* /*req*/,
+      v1::RegisterCudaRegionResponse* /*resp*/) override {
     return Run(ctx, [] {});
   }
   grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx,

@@ -94,9 +94,13 @@ ABSL_FLAG(int32_t, stream_inflight, 1,
           "i mod N), as a scheduler overlapping micro-batches does; answers are matched by "
           "request_id and must come back in order");
 ABSL_FLAG(std::string, shared_memory, "none",
-          "Where decode requests' keys, queries and outputs travel: none (inline bytes) or "
-          "system (a POSIX shared memory region per worker, registered on every server, which "
-          "must run on this host; requests carry references, RegisterSystemRegion)");
+          "Where decode requests' keys, queries and outputs travel: none (inline bytes), system "
+          "(a POSIX shared memory region per worker, RegisterSystemRegion) or cuda (GPU memory "
+          "per worker shared by its CUDA IPC handle, RegisterCudaRegion; bf16 values only). "
+          "With a region every server must run on this host; requests carry references");
+ABSL_FLAG(int32_t, cuda_device, 0,
+          "With --shared_memory=cuda: the GPU of the workers' regions (the server must see it "
+          "under the same ordinal)");
 ABSL_FLAG(bool, stagger, true,
           "Start each stage's first sequences part-way through their decode steps (uniformly), "
           "so that they end, and their slots are prefilled again, one at a time instead of all "
@@ -238,7 +242,7 @@ const std::vector<std::pair<const char*, std::vector<const char*>>>& FlagSection
       {"Workload",
        {"prefill", "prefill_chunk", "decode_steps", "speculative", "accept_rate", "rewind",
         "heads", "topk", "init_blocks", "local_blocks", "layers", "dtype", "attention_pages",
-        "values", "style", "stream_inflight", "shared_memory", "batch", "stagger", "trace",
+        "values", "style", "stream_inflight", "shared_memory", "cuda_device", "batch", "stagger", "trace",
         "seed"}},
       {"Load",
        {"concurrency", "rate", "arrivals", "duration", "warmup", "requests", "sequences", "sweep",
@@ -401,6 +405,7 @@ absl::StatusOr<Plan> PlanFromFlags() {
         absl::StrCat("--shared_memory: ", shared.status().message()));
   }
   w.shared_memory = *shared;
+  w.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   w.batch = absl::GetFlag(FLAGS_batch);
   w.stagger = absl::GetFlag(FLAGS_stagger);
   if (const std::string trace = absl::GetFlag(FLAGS_trace); !trace.empty()) {
@@ -614,14 +619,14 @@ int main(int argc, char** argv) {
     return UsageError(std::string(st.message()));
   }
   const bench::WorkloadSpec& spec = plan->spec;
-  if (spec.shared_memory == bench::SharedMemory::kSystem) {
+  if (spec.shared_memory != bench::SharedMemory::kNone) {
     // Every server must take a region of this host's before any worker relies on one.
     absl::StatusOr<std::unique_ptr<bench::RequestRegion>> probe = bench::RequestRegion::Create(
         *connections[0], bench::SlabBytes(spec, shape), 1,
-        client::CallOptions::Timeout(plan->load.timeout));
+        client::CallOptions::Timeout(plan->load.timeout), spec.shared_memory, spec.cuda_device);
     if (!probe.ok()) {
-      std::fprintf(stderr, "indexer-bench: --shared_memory=system: %s\n",
-                   probe.status().ToString().c_str());
+      std::fprintf(stderr, "indexer-bench: --shared_memory=%s: %s\n",
+                   bench::SharedMemoryName(spec.shared_memory), probe.status().ToString().c_str());
       return kFailed;
     }
   }
@@ -694,9 +699,9 @@ int main(int argc, char** argv) {
            ? absl::StrCat(bench::CallStyleName(spec.style), ", ", spec.stream_inflight,
                           " requests in flight per stream (one micro-batch each)")
            : bench::CallStyleName(spec.style)},
-      {"tensors", spec.shared_memory == bench::SharedMemory::kSystem
-                      ? "by reference (system shared memory)"
-                      : "inline"},
+      {"tensors", spec.shared_memory == bench::SharedMemory::kSystem ? "by reference (system shared memory)"
+                  : spec.shared_memory == bench::SharedMemory::kCuda ? "by reference (CUDA regions)"
+                                                                     : "inline"},
       {"sequences per worker", absl::StrCat(spec.batch)},
       {"seed", absl::StrCat(spec.seed)},
   };

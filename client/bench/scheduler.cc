@@ -90,12 +90,13 @@ SimulatedScheduler::SimulatedScheduler(const SchedulerContext& context,
     pipeline_ = std::make_unique<PipelinedStream>(client);
     group_busy_.assign(static_cast<size_t>(context.spec->stream_inflight), false);
   }
-  if (context.spec->shared_memory == SharedMemory::kSystem) {
+  if (context.spec->shared_memory != SharedMemory::kNone) {
     // The run checked that the servers take regions; a worker that cannot have one says so and
     // sends inline.
     absl::StatusOr<std::unique_ptr<RequestRegion>> region =
         RequestRegion::Create(client, SlabBytes(*context.spec, *context.shape),
-                              std::max(1, context.spec->stream_inflight), context.call);
+                              std::max(1, context.spec->stream_inflight), context.call,
+                              context.spec->shared_memory, context.spec->cuda_device);
     if (region.ok()) {
       region_ = *std::move(region);
     } else {
@@ -238,12 +239,12 @@ void SimulatedScheduler::ByReference(v1::SelectBlocksRequest* item, PendingItem*
   if (item->has_append()) keys = region_->Put(item->append().keys());
   std::optional<v1::RegionRef> block_ids = region_->Room(static_cast<size_t>(ids));
   std::optional<v1::RegionRef> table, lens;
-  if (ctx_.spec->attention_pages) {
+  if (ctx_.spec->attention_pages || region_->on_gpu()) {
     table = region_->Room(static_cast<size_t>(ids * ctx_.shape->page_table.pages_per_block));
     lens = region_->Room(static_cast<size_t>(rows));
   }
   if (!queries || (item->has_append() && !keys) || !block_ids ||
-      (ctx_.spec->attention_pages && (!table || !lens))) {
+      ((ctx_.spec->attention_pages || region_->on_gpu()) && (!table || !lens))) {
     return;  // SlabBytes bounds every request: not reached
   }
   *item->mutable_queries_ref() = *queries;
@@ -342,9 +343,11 @@ bool SimulatedScheduler::DecodeUnary(DecodeRecord& record) {
   PendingItem item;
   const v1::SelectBlocksRequest request =
       MakeItem(*slot, static_cast<int>(cursor_slot_), cursor_layer_, &item);
+  SyncRegion(/*upload=*/true, 0);
   record.sent = Clock::now();
   absl::StatusOr<v1::SelectBlocksResponse> r = client_.SelectBlocks(request, ctx_.call);
   record.done = Clock::now();
+  SyncRegion(/*upload=*/false, 0);
   v1::BatchItemResult result;
   result.set_code(CodeOf(r.status()));
   if (r.ok()) *result.mutable_result() = std::move(*r);
@@ -412,6 +415,7 @@ bool SimulatedScheduler::Decode(Clock::time_point intended, bool measured, bool 
   v1::BatchRequest request;
   std::vector<PendingItem> items = BuildStep(-1, &request);
   if (items.empty()) return false;
+  SyncRegion(/*upload=*/true, 0);
   record.sent = Clock::now();
   v1::BatchResponse response;
   if (ctx_.spec->style == CallStyle::kStream) {
@@ -421,6 +425,7 @@ bool SimulatedScheduler::Decode(Clock::time_point intended, bool measured, bool 
     response = client_.Batch(request, ctx_.call);
   }
   record.done = Clock::now();
+  SyncRegion(/*upload=*/false, 0);
   CompleteStep(items, response, record);
   return true;
 }
@@ -451,6 +456,7 @@ bool SimulatedScheduler::DecodePipelined(Clock::time_point intended, bool measur
   f.record.open_loop = open_loop;
   v1::BatchRequest request;
   f.items = BuildStep(group, &request);
+  SyncRegion(/*upload=*/true, group);
   f.record.sent = Clock::now();
   pipeline_->Send(request);
   group_busy_[static_cast<size_t>(group)] = true;
@@ -464,7 +470,18 @@ void SimulatedScheduler::CompleteOldest() {
   in_flight_.pop_front();
   f.record.done = answer.done;
   group_busy_[static_cast<size_t>(f.group)] = false;
+  SyncRegion(/*upload=*/false, f.group);
   CompleteStep(f.items, answer.response, f.record);
+}
+
+void SimulatedScheduler::SyncRegion(bool upload, int slab) {
+  if (region_ == nullptr || !region_->on_gpu()) return;
+  if (!upload && !ctx_.check) return;  // only the checker reads the outputs
+  const absl::Status synced = upload ? region_->Flush() : region_->Fetch(slab);
+  if (!synced.ok()) {
+    std::fprintf(stderr, "indexer-bench: the worker's CUDA region: %s\n",
+                 synced.ToString().c_str());
+  }
 }
 
 void SimulatedScheduler::Drain() {

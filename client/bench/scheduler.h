@@ -123,6 +123,9 @@ class SimulatedScheduler {
   std::unique_ptr<Slot> StartSequence(const SequencePlan& plan);
   void Release(Slot& slot);
   v1::SelectBlocksRequest MakeItem(Slot& slot, int slot_index, int layer, PendingItem* pending);
+  // A CUDA region's host copy and the GPU memory agree: the request's inputs uploaded before it
+  // is sent (upload), or slab `slab`'s outputs downloaded once it is answered, for the checker.
+  void SyncRegion(bool upload, int slab);
   // Moves the item's keys and queries into the region and asks its outputs there; the item
   // stays inline when the slab has no room.
   void ByReference(v1::SelectBlocksRequest* item, PendingItem* pending);

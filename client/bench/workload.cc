@@ -214,12 +214,18 @@ std::string LengthDistribution::ToString() const {
 absl::StatusOr<SharedMemory> ParseSharedMemory(absl::string_view text) {
   if (text == "none") return SharedMemory::kNone;
   if (text == "system") return SharedMemory::kSystem;
+  if (text == "cuda") return SharedMemory::kCuda;
   return absl::InvalidArgumentError(
-      absl::StrCat("'", text, "' is not none or system"));
+      absl::StrCat("'", text, "' is not none, system or cuda"));
 }
 
 const char* SharedMemoryName(SharedMemory s) {
-  return s == SharedMemory::kSystem ? "system" : "none";
+  switch (s) {
+    case SharedMemory::kSystem: return "system";
+    case SharedMemory::kCuda: return "cuda";
+    case SharedMemory::kNone: break;
+  }
+  return "none";
 }
 
 absl::StatusOr<CallStyle> ParseCallStyle(absl::string_view text) {
@@ -294,6 +300,10 @@ absl::Status Validate(WorkloadSpec* spec, const ServerShape& shape) {
   }
   if (spec->stream_inflight > 1 && spec->style != CallStyle::kStream) {
     return absl::InvalidArgumentError("--stream_inflight above 1 needs --style=stream");
+  }
+  if (spec->shared_memory == SharedMemory::kCuda && spec->wire_dtype != v1::VALUE_DTYPE_BF16) {
+    return absl::InvalidArgumentError(
+        "--shared_memory=cuda needs bf16 values: CUDA regions take BF16 keys and queries only");
   }
   if (spec->stream_inflight > spec->batch) {
     return absl::InvalidArgumentError(

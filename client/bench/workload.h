@@ -75,9 +75,9 @@ enum class CallStyle { kUnary, kBatch, kStream };
 absl::StatusOr<CallStyle> ParseCallStyle(absl::string_view text);
 const char* CallStyleName(CallStyle s);
 
-// Where a decode request's keys, queries and outputs travel: inline bytes, or a shared memory
-// region beside the server (RequestRegion).
-enum class SharedMemory { kNone, kSystem };
+// Where a decode request's keys, queries and outputs travel: inline bytes, or a region beside the
+// server (RequestRegion): POSIX shared memory, or GPU memory shared by CUDA IPC.
+enum class SharedMemory { kNone, kSystem, kCuda };
 absl::StatusOr<SharedMemory> ParseSharedMemory(absl::string_view text);
 const char* SharedMemoryName(SharedMemory s);
 
@@ -109,6 +109,7 @@ struct WorkloadSpec {
   int stream_inflight = 1;
   int batch = 8;  // live sequences per worker (one scheduler's decode batch)
   SharedMemory shared_memory = SharedMemory::kNone;
+  int cuda_device = 0;  // --shared_memory=cuda: the GPU the regions are on
   // The stage's first sequences start part-way through their decode steps (uniformly), so that
   // they finish, and are replaced by fresh prefills, one at a time instead of all at once.
   bool stagger = true;

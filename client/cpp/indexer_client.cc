@@ -480,6 +480,19 @@ absl::Status IndexerClient::RegisterSystemRegion(absl::string_view name, absl::s
   return Call(&v1::Indexer::Stub::RegisterSystemRegion, request, call).status();
 }
 
+absl::Status IndexerClient::RegisterCudaRegion(absl::string_view name,
+                                               absl::string_view raw_handle, int device_id,
+                                               uint64_t offset, uint64_t byte_size,
+                                               const CallOptions& call) {
+  v1::RegisterCudaRegionRequest request;
+  request.set_name(std::string(name));
+  request.set_raw_handle(std::string(raw_handle));
+  request.set_device_id(device_id);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  return Call(&v1::Indexer::Stub::RegisterCudaRegion, request, call).status();
+}
+
 absl::StatusOr<uint32_t> IndexerClient::UnregisterRegion(absl::string_view name,
                                                          const CallOptions& call) {
   v1::UnregisterRegionRequest request;

@@ -280,6 +280,13 @@ class IndexerClient {
   absl::Status RegisterSystemRegion(absl::string_view name, absl::string_view key,
                                     uint64_t offset, uint64_t byte_size,
                                     const CallOptions& call = {});
+  // A CUDA region: `raw_handle` is the 64 bytes of cudaIpcGetMemHandle for an allocation of this
+  // process (or another on the server's host) on the server's GPU `device_id`; the server reads
+  // and writes byte_size bytes at `offset` of it in place. Keep the allocation alive until the
+  // region is unregistered.
+  absl::Status RegisterCudaRegion(absl::string_view name, absl::string_view raw_handle,
+                                  int device_id, uint64_t offset, uint64_t byte_size,
+                                  const CallOptions& call = {});
   // "" = every region of the caller's tenant; how many were unregistered.
   absl::StatusOr<uint32_t> UnregisterRegion(absl::string_view name = "",
                                             const CallOptions& call = {});

@@ -70,6 +70,9 @@ class CudaBackend final : public KeyCacheBackend {
   std::string device() const override { return device_name_; }
   absl::Status Health() const override { return failure_.Check(); }
   bool RunsAsync() const override { return true; }
+  bool TakesDeviceTensors(int place) const override {
+    return place == slot_.ordinal || place == kMappedHostTensor;
+  }
   int MaxConcurrentSteps() const override { return options_.lanes; }
   // A step: staged and launched on the calling thread, finished on its lane's completion thread.
   void Run(const BackendStep& step, const kernels::PageTableParams& page_table,
@@ -136,7 +139,14 @@ class CudaBackend final : public KeyCacheBackend {
   // left running on the lane's stream that reads the staging, except as the status says), then,
   // on the completion thread, scatter the outputs and end the step.
   absl::Status Stage(Lane& lane, const BackendStep& step, const kernels::PageTableParams& page_table);
-  absl::Status Enqueue(Lane& lane, bool* enqueued);
+  // Stage's second half: lays out lane.spans and `writes` in the lane's buffers.
+  absl::Status Place(Lane& lane, std::span<const KeyWrite> writes);
+  absl::Status Enqueue(Lane& lane, bool use_graphs, bool* enqueued);
+  // Device inputs are planned before their values are known: as if every device query fit f16
+  // and the step's device keys raised no layer's maximum. Once the step's copy has scanned them
+  // (on the completion thread, outputs scattered), this raises the layers' maxima and runs again,
+  // on the exact path and before the step ends, every span that choice got wrong.
+  absl::Status RecheckDevicePaths(Lane& lane);
   void Finish(Lane& lane, absl::Status synced, StepTiming timing, absl::Time launched,
               StepDone done);
   // Writes the `n` global page ids at `ids` to `dst` as this pool's page indices; INTERNAL
@@ -175,7 +185,7 @@ class CudaBackend final : public KeyCacheBackend {
 
   std::atomic<bool> abandoned_{false};
   std::atomic<int64_t> selects_{0}, graph_launches_{0}, graph_builds_{0}, graph_node_updates_{0},
-      graph_fallbacks_{0}, buffer_growths_{0};
+      graph_fallbacks_{0}, buffer_growths_{0}, exact_reruns_{0};
 };
 
 absl::Status CudaBackend::Init() {
@@ -278,6 +288,7 @@ CudaBackendCounters CudaBackend::counters() const {
   c.graph_node_updates = graph_node_updates_.load();
   c.graph_fallbacks = graph_fallbacks_.load();
   c.buffer_growths = buffer_growths_.load();
+  c.exact_reruns = exact_reruns_.load();
   return c;
 }
 
@@ -297,6 +308,8 @@ std::vector<BackendCounter> CudaBackend::Counters() const {
        "failed.", c.graph_fallbacks},
       {"buffer_growths_total", "Lanes' staging or scratch buffers allocated anew (each drops "
        "the lane's cached graphs).", c.buffer_growths},
+      {"exact_reruns_total", "Spans run again on the exact path once their device-resident "
+       "inputs (CUDA regions) turned out to need it.", c.exact_reruns},
   };
 }
 
@@ -410,7 +423,7 @@ void CudaBackend::Run(const BackendStep& step, const kernels::PageTableParams& p
   bool enqueued = false;
   if (status.ok()) status = Stage(*lane, step, page_table);
   const absl::Time staged = absl::Now();
-  if (status.ok()) status = Enqueue(*lane, &enqueued);
+  if (status.ok()) status = Enqueue(*lane, /*use_graphs=*/true, &enqueued);
   const absl::Time launched = absl::Now();
   if (!status.ok()) {
     // Wait even after a failed enqueue: copies already queued still read the staging buffers.
@@ -432,26 +445,43 @@ absl::Status CudaBackend::Stage(Lane& lane, const BackendStep& step,
                                 const kernels::PageTableParams& page_table) {
   const int d = config_.head_dim;
   // Selections take their path from the largest key written, this step's writes included:
-  // raising the maximum before the keys land can only choose the exact path more often.
+  // raising the maximum before the keys land can only choose the exact path more often. Keys in
+  // device memory are scanned on the device (RecheckDevicePaths).
+  lane.staged_writes = step.writes;
+  lane.device_keys = false;
   for (const KeyWrite& w : step.writes) {
+    if (w.keys_on_device) {
+      lane.device_keys = true;
+      continue;
+    }
     const float m = kernels::cuda::ScanBf16(w.keys, w.num_tokens * w.layer_count * d).max_abs;
     for (int l = 0; l < w.layer_count; ++l) RaiseKeyMax(w.layer_begin + l, m);
   }
+  lane.page_table = page_table;
   lane.spans.resize(step.selects.size());
+  lane.query_ranges.resize(step.selects.size());
+  lane.span_layers.resize(step.selects.size());
   for (size_t i = 0; i < step.selects.size(); ++i) {
     const SelectTask& task = step.selects[i];
     kernels::cuda::StagedSpan& staged = lane.spans[i];
     staged.host = task.span;
     staged.keys = pool_.get<char>() + task.layer * layer_bytes_;
     const int rows = task.span.num_tokens * task.span.num_heads;
-    staged.path = kernels::cuda::ChoosePath(rows, d, config_.key_storage,
-                                            kernels::cuda::ScanBf16(task.span.queries, int64_t{rows} * d),
+    lane.query_ranges[i] = task.span.queries_on_device
+                               ? kernels::cuda::Bf16Range{}
+                               : kernels::cuda::ScanBf16(task.span.queries, int64_t{rows} * d);
+    lane.span_layers[i] = task.layer;
+    staged.path = kernels::cuda::ChoosePath(rows, d, config_.key_storage, lane.query_ranges[i],
                                             KeyMax(task.layer));
   }
+  return Place(lane, step.writes);
+}
+
+absl::Status CudaBackend::Place(Lane& lane, std::span<const KeyWrite> writes) {
   kernels::cuda::StepStaging& staging = lane.staging;
-  staging.Plan(step.writes, lane.spans, d, config_.key_storage, page_table);
+  staging.Plan(writes, lane.spans, config_.head_dim, config_.key_storage, lane.page_table);
   INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.h_in, staging.input_bytes()));
-  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_in, staging.input_bytes()));
+  INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_in, staging.device_input_bytes()));
   INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.h_out, std::max<int64_t>(staging.output_bytes(), 4)));
   INDEXER_RETURN_IF_ERROR(lane.Reserve(lane.d_out, std::max<int64_t>(staging.output_bytes(), 4)));
   if (const std::optional<int32_t> bad = staging.WriteInputs(
@@ -484,7 +514,47 @@ absl::Status CudaBackend::Stage(Lane& lane, const BackendStep& step,
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::Enqueue(Lane& lane, bool* enqueued) {
+absl::Status CudaBackend::RecheckDevicePaths(Lane& lane) {
+  const kernels::cuda::StepStaging& staging = lane.staging;
+  const char* host_out = lane.h_out.get<char>();
+  for (size_t i = 0; i < lane.staged_writes.size(); ++i) {
+    if (const std::optional<kernels::cuda::Bf16Range> scan = staging.WriteScan(i, host_out)) {
+      const KeyWrite& w = lane.staged_writes[i];
+      for (int l = 0; l < w.layer_count; ++l) RaiseKeyMax(w.layer_begin + l, scan->max_abs);
+    }
+  }
+  std::vector<kernels::cuda::StagedSpan> again;
+  for (size_t i = 0; i < lane.spans.size(); ++i) {
+    const kernels::cuda::StagedSpan& s = lane.spans[i];
+    const std::optional<kernels::cuda::Bf16Range> scan = staging.SpanScan(i, host_out);
+    if (s.path == kernels::cuda::SpanPath::kExact || (!scan && !lane.device_keys)) continue;
+    if (scan && s.host.queries_nonfinite != nullptr && *s.host.queries_nonfinite != 0) {
+      continue;  // the item fails
+    }
+    const int rows = s.host.num_tokens * s.host.num_heads;
+    const kernels::cuda::SpanPath needed =
+        kernels::cuda::ChoosePath(rows, config_.head_dim, config_.key_storage,
+                                  scan ? *scan : lane.query_ranges[i], KeyMax(lane.span_layers[i]));
+    if (needed != kernels::cuda::SpanPath::kExact) continue;
+    again.push_back(s);
+    again.back().path = kernels::cuda::SpanPath::kExact;
+  }
+  if (again.empty()) return absl::OkStatus();
+  exact_reruns_.fetch_add(static_cast<int64_t>(again.size()), std::memory_order_relaxed);
+  lane.spans = std::move(again);
+  lane.staged_writes = {};
+  INDEXER_RETURN_IF_ERROR(Place(lane, {}));
+  bool enqueued = false;
+  absl::Status status = Enqueue(lane, /*use_graphs=*/false, &enqueued);
+  if (enqueued) {
+    const absl::Status synced = lane.Sync("exact re-run");
+    if (status.ok()) status = synced;
+  }
+  if (status.ok()) lane.staging.Scatter(lane.h_out.get<char>());
+  return status;
+}
+
+absl::Status CudaBackend::Enqueue(Lane& lane, bool use_graphs, bool* enqueued) {
   const kernels::cuda::StepStaging& staging = lane.staging;
   char* din = lane.d_in.get<char>();
   char* dout = lane.d_out.get<char>();
@@ -492,10 +562,10 @@ absl::Status CudaBackend::Enqueue(Lane& lane, bool* enqueued) {
   const size_t out = static_cast<size_t>(staging.output_bytes());
   cudaStream_t st = lane.stream.get();
   kernels::cuda::LaunchList launches;
-  INDEXER_RETURN_IF_ERROR(CudaStatus(
-      staging.Describe(din, lane.d_scores.get<float>(), lane.d_counters.get<int>(), &launches),
-      "step launch"));
-  if (options_.use_graphs && lane.graph_failures < kMaxGraphFailures && out > 0) {
+  INDEXER_RETURN_IF_ERROR(CudaStatus(staging.Describe(din, dout, lane.d_scores.get<float>(),
+                                                      lane.d_counters.get<int>(), &launches),
+                                     "step launch"));
+  if (use_graphs && options_.use_graphs && lane.graph_failures < kMaxGraphFailures && out > 0) {
     const SelectStep graph_step{din, lane.h_in.get(), in, &launches, lane.h_out.get(), dout, out};
     const GraphLaunchResult r = lane.graphs.Launch(graph_step, st);
     graph_builds_.fetch_add(r.built ? 1 : 0, std::memory_order_relaxed);
@@ -527,6 +597,7 @@ void CudaBackend::Finish(Lane& lane, absl::Status synced, StepTiming timing, abs
   if (synced.ok()) {
     lane.staging.Scatter(lane.h_out.get<char>());
     if (lane.staging.has_spans()) selects_.fetch_add(1, std::memory_order_relaxed);
+    if (lane.staging.has_device_inputs()) synced = RecheckDevicePaths(lane);
   }
   lanes_.Release(&lane);  // before `done`: the batcher may start the next step on this lane
   StepStatus status;

@@ -84,6 +84,7 @@ struct CudaBackendCounters {
   int64_t graph_node_updates = 0;  // node parameter updates of cached graphs
   int64_t graph_fallbacks = 0;     // steps run without a graph after a graph build/update failed
   int64_t buffer_growths = 0;      // lanes' buffers allocated anew, seen by a Select (drops graphs)
+  int64_t exact_reruns = 0;        // spans run again on the exact path (device inputs' scans)
 };
 
 // The counters of a backend that MakeCudaBackend built; nullopt for any other backend.

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -65,6 +66,13 @@ class Lane {
   SelectGraphCache graphs;
   kernels::cuda::StepStaging staging;
   std::vector<kernels::cuda::StagedSpan> spans;
+  // The step being staged: its writes, whether any has keys in device memory, its page-table
+  // shape, and per span the queries' range (host queries) and the layer.
+  std::span<const kernels::KeyWrite> staged_writes;
+  bool device_keys = false;
+  kernels::PageTableParams page_table;
+  std::vector<kernels::cuda::Bf16Range> query_ranges;
+  std::vector<int> span_layers;
   uint64_t generation = 0;         // bumped whenever a buffer above is reallocated
   uint64_t graphs_generation = 0;  // the generation the cached graphs were built on
   int graph_failures = 0;

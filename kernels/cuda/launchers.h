@@ -98,7 +98,7 @@ struct KernelLaunch {
 // The launches of one selection, in stream order (at most five: decode, prefill score and top-k,
 // exact score and top-k).
 struct LaunchList {
-  static constexpr int kMaxLaunches = 8;
+  static constexpr int kMaxLaunches = 10;
   std::array<KernelLaunch, kMaxLaunches> items;
   int size = 0;
 

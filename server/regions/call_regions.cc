@@ -43,18 +43,21 @@ absl::StatusOr<uint8_t*> CallRegions::Resolve(size_t item, const RegionRefView& 
   return data;
 }
 
-absl::StatusOr<absl::string_view> CallRegions::Input(size_t item, const RegionRefView& ref,
-                                                     absl::string_view field) {
+absl::StatusOr<ResolvedInput> CallRegions::Input(size_t item, const RegionRefView& ref,
+                                                 absl::string_view field) {
   absl::StatusOr<uint8_t*> data = Resolve(item, ref, field, false);
   if (!data.ok()) return data.status();
-  return absl::string_view(reinterpret_cast<const char*>(*data), ref.byte_size);
+  return ResolvedInput{absl::string_view(reinterpret_cast<const char*>(*data), ref.byte_size),
+                       last_->device()};
 }
 
-absl::StatusOr<std::span<int32_t>> CallRegions::Output(size_t item, const RegionRefView& ref,
-                                                       absl::string_view field) {
+absl::StatusOr<ResolvedOutput> CallRegions::Output(size_t item, const RegionRefView& ref,
+                                                   absl::string_view field) {
   absl::StatusOr<uint8_t*> data = Resolve(item, ref, field, true);
   if (!data.ok()) return data.status();
-  return std::span<int32_t>(reinterpret_cast<int32_t*>(*data), ref.byte_size / sizeof(int32_t));
+  return ResolvedOutput{
+      std::span<int32_t>(reinterpret_cast<int32_t*>(*data), ref.byte_size / sizeof(int32_t)),
+      last_->device()};
 }
 
 std::vector<std::pair<size_t, absl::Status>> CallRegions::Conflicts() const {

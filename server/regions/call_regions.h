@@ -24,6 +24,17 @@
 
 namespace indexer::server {
 
+// What a reference names: host memory, or memory of CUDA device `device` (>= 0: a CUDA region,
+// which only that device's kernels may touch).
+struct ResolvedInput {
+  absl::string_view bytes;
+  int device = -1;
+};
+struct ResolvedOutput {
+  std::span<int32_t> values;
+  int device = -1;
+};
+
 class CallRegions {
  public:
   // `registry` may be null (a server without regions: every reference is NOT_FOUND); it must
@@ -32,11 +43,11 @@ class CallRegions {
       : registry_(registry), tenant_(tenant) {}
 
   // The bytes `ref` names, for item `item`'s input `field` ("keys_ref", "queries_ref").
-  absl::StatusOr<absl::string_view> Input(size_t item, const RegionRefView& ref,
-                                          absl::string_view field);
+  absl::StatusOr<ResolvedInput> Input(size_t item, const RegionRefView& ref,
+                                      absl::string_view field);
   // The int32 values `ref` names (byte_size / 4 of them), for item `item`'s output `field`.
-  absl::StatusOr<std::span<int32_t>> Output(size_t item, const RegionRefView& ref,
-                                            absl::string_view field);
+  absl::StatusOr<ResolvedOutput> Output(size_t item, const RegionRefView& ref,
+                                        absl::string_view field);
 
   // For each item whose output overlaps another reference of the call (its own included): the
   // item and why. Of two overlapping references one item is named, which suffices: a named

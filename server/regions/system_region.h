@@ -12,10 +12,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "server/regions/region_memory.h"
 
 namespace indexer::server {
 
-class SystemRegion {
+class SystemRegion final : public RegionMemory {
  public:
   // Maps `byte_size` bytes at `offset` of the object `key` ("/name", as shm_open names it).
   // INVALID_ARGUMENT for a bad key, an empty range or one past the object's size; NOT_FOUND
@@ -23,13 +24,13 @@ class SystemRegion {
   // INTERNAL with the system's reason otherwise.
   static absl::StatusOr<std::unique_ptr<SystemRegion>> Map(absl::string_view key, uint64_t offset,
                                                            uint64_t byte_size);
-  ~SystemRegion();
+  ~SystemRegion() override;
   SystemRegion(const SystemRegion&) = delete;
   SystemRegion& operator=(const SystemRegion&) = delete;
 
   // The region's first byte (`offset` of the object) and its size.
-  uint8_t* data() const { return data_; }
-  uint64_t size() const { return size_; }
+  uint8_t* data() const override { return data_; }
+  uint64_t size() const override { return size_; }
 
  private:
   SystemRegion(void* mapping, size_t mapped, uint8_t* data, uint64_t size)

@@ -445,6 +445,46 @@ TEST_F(EngineTest, DtypesAndByteSizesAreChecked) {
   ExpectUnchanged(before);
 }
 
+// Tensors in device memory (a client's CUDA region) are checked for what needs no access to
+// their values -- dtype, whole rows, alignment, outputs named whole -- and a backend that reads
+// no device memory refuses them with FAILED_PRECONDITION, applying nothing. The CPU backend
+// never dereferences them: host bytes stand in for the device here.
+TEST_F(EngineTest, DeviceTensorsAreCheckedAndTheCpuBackendRefusesThem) {
+  AppendOk("a", 0, 50);
+  const Snapshot before = Take({"a", "new"});
+  alignas(16) static char device_bytes[4096];
+  const absl::string_view one_row(device_bytes, static_cast<size_t>(D()) * 2);
+  AppendRequest r;
+  r.sequence_id = "a";
+  r.dtype = WireDtype::kBf16;
+  r.keys = one_row;
+  r.keys_device = 0;
+  EXPECT_STATUS(engine_->Append(r).status(), kFailedPrecondition, "cannot read tensors in CUDA regions");
+  r.sequence_id = "new";
+  EXPECT_STATUS(engine_->Append(r).status(), kFailedPrecondition, "CUDA regions");
+  r.dtype = WireDtype::kFp32;
+  EXPECT_STATUS(engine_->Append(r).status(), kInvalidArgument, "must be BF16");
+  r.dtype = WireDtype::kBf16;
+  r.keys = absl::string_view(device_bytes + 2, one_row.size());
+  EXPECT_STATUS(engine_->Append(r).status(), kInvalidArgument, "multiple of 16");
+  r.keys = one_row.substr(2);
+  EXPECT_STATUS(engine_->Append(r).status(), kInvalidArgument, "multiple of one row");
+
+  StepRequest s = Bf16Select("a", 0, 1, one_row);
+  s.queries_device = 0;
+  EXPECT_STATUS(engine_->Select(s).status(), kFailedPrecondition, "CUDA regions");
+  s.queries_device = -1;
+  int32_t out[64] = {};
+  s.outputs.block_ids = std::span<int32_t>(out, 64);
+  s.outputs.device = 0;
+  EXPECT_STATUS(engine_->Select(s).status(), kInvalidArgument, "all three references");
+  s.outputs.page_table = std::span<int32_t>(out, 64);
+  s.outputs.context_lens = std::span<int32_t>(out, 64);
+  EXPECT_STATUS(engine_->Select(s).status(), kFailedPrecondition, "CUDA regions");
+  ExpectUnchanged(before);
+  ExpectSelects("a");
+}
+
 TEST_F(EngineTest, LayerHeadsTopkAndIdsOutOfRange) {
   EngineConfig c = SmallEngineConfig();
   c.layers = 2;

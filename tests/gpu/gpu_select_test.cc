@@ -94,7 +94,8 @@ class GpuSelectTest : public GpuTest {
     ASSERT_TRUE(counters.Allocate(staging.DecodeCounters() * 4).ok());
     CUDA_OK(cudaMemset(counters.get(), 0, counters.bytes()));
     kernels::cuda::LaunchList launches;
-    CUDA_OK(staging.Describe(in.get<char>(), scores.get<float>(), counters.get<int>(), &launches));
+    CUDA_OK(staging.Describe(in.get<char>(), out.get<char>(), scores.get<float>(), counters.get<int>(),
+                             &launches));
 
     for (int rep = 0; rep < repeats; ++rep) {
       CUDA_OK(cudaMemset(out.get(), 0x7f, out.bytes()));        // poison: 0x7f7f7f7f

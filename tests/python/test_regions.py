@@ -184,6 +184,11 @@ class RegionTest(ClientChecks, unittest.TestCase):
         self.assertEqual(c.unregister_region(), 2)
         self.assertEqual((c.list_regions(), c.unregister_region()), ([], 0))
 
+    def test_a_cpu_server_takes_no_cuda_regions(self):
+        self.assertCode(grpc.StatusCode.FAILED_PRECONDITION, self.client.register_cuda_region,
+                        "gpu", bytes(64), 0, 64)
+        self.assertEqual(self.client.list_regions(), [])
+
     def test_keys_and_queries_by_reference_answer_as_inline(self):
         io = self.region("io")
         c = self.client

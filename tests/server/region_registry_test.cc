@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -12,6 +13,7 @@
 #include "client/cpp/shared_memory.h"
 #include "server/regions/call_regions.h"
 #include "server/regions/region_registry.h"
+#include "server/regions/system_region.h"
 
 namespace indexer::server {
 namespace {
@@ -120,14 +122,34 @@ TEST(RegionRegistry, AHeldRegionOutlivesItsUnregistration) {
   RegionRegistry registry(1);
   ASSERT_TRUE(registry.RegisterSystem("t", "r", shm->key(), 0, 4096).ok());
   CallRegions call(&registry, "t");
-  absl::StatusOr<std::span<int32_t>> out = call.Output(0, Ref("r", 0, 64), "out");
+  absl::StatusOr<ResolvedOutput> out = call.Output(0, Ref("r", 0, 64), "out");
   ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->device, -1) << "a system region is host memory";
   EXPECT_EQ(*registry.Unregister("t", "r"), 1);
   EXPECT_EQ(registry.Find("t", "r").status().code(), absl::StatusCode::kNotFound);
-  (*out)[15] = 42;  // the call's hold keeps the mapping
+  out->values[15] = 42;  // the call's hold keeps the mapping
   EXPECT_EQ(reinterpret_cast<const int32_t*>(shm->data())[15], 42);
   ASSERT_TRUE(registry.RegisterSystem("t", "r", shm->key(), 0, 8).ok())
       << "the name is free again, and the held region does not count against the limit";
+}
+
+// A registry that pins system regions for the GPUs keeps a region it cannot pin (no GPU, or a
+// build without CUDA) as host memory: registered, listed unpinned, resolved as host bytes.
+TEST(RegionRegistry, ARegionThatCannotBePinnedStaysInHostMemory) {
+  // No GPU for this process (before its first CUDA call): pinning fails as on CI. Pinned
+  // regions are tested on the GPU (tests/gpu/cuda_region_test.cc).
+  setenv("CUDA_VISIBLE_DEVICES", "", 1);
+  auto shm = Object(4096);
+  ASSERT_NE(shm, nullptr);
+  RegionRegistry registry(4, {}, /*pin_system=*/true);
+  ASSERT_TRUE(registry.RegisterSystem("t", "r", shm->key(), 0, 4096).ok());
+  absl::StatusOr<std::vector<RegionInfo>> listed = registry.List("t", "r");
+  ASSERT_TRUE(listed.ok());
+  EXPECT_FALSE((*listed)[0].pinned);
+  CallRegions call(&registry, "t");
+  absl::StatusOr<ResolvedInput> in = call.Input(0, Ref("r", 16, 256), "q");
+  ASSERT_TRUE(in.ok()) << in.status();
+  EXPECT_EQ(in->device, -1);
 }
 
 TEST(CallRegions, ChecksEveryReferenceAgainstItsRegion) {

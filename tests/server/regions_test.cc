@@ -113,6 +113,13 @@ TEST_F(RegionsTest, AServerWithoutRegionsSaysSo) {
   EXPECT_THAT(s.message(), HasSubstr("max_regions=0"));
 }
 
+TEST_F(RegionsTest, ACpuServerTakesNoCudaRegions) {
+  const absl::Status s = client_->RegisterCudaRegion("c", std::string(64, '\0'), 0, 0, 64);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("takes no CUDA regions"));
+  EXPECT_EQ(client_->ListRegions()->regions_size(), 0);
+}
+
 // Keys, queries and outputs by reference answer what inline bytes answer, and what the reference
 // selects, with attention pages (so every output is written) and without.
 TEST_F(RegionsTest, ByReferenceAnswersEqualInline) {

@@ -51,6 +51,13 @@ def register_system_region(name: str, key: str, byte_size: int, offset: int) -> 
     return Call(INDEXER, "RegisterSystemRegion", request, lambda response: None)
 
 
+def register_cuda_region(name: str, raw_handle: bytes, device_id: int, byte_size: int,
+                         offset: int) -> Call:
+    request = pb.RegisterCudaRegionRequest(name=name, raw_handle=raw_handle, device_id=device_id,
+                                           offset=offset, byte_size=byte_size)
+    return Call(INDEXER, "RegisterCudaRegion", request, lambda response: None)
+
+
 def unregister_region(name: str) -> Call:
     return Call(INDEXER, "UnregisterRegion", pb.UnregisterRegionRequest(name=name),
                 lambda response: response.unregistered)

@@ -90,6 +90,12 @@ class AsyncIndexerClient:
         """IndexerClient.register_system_region."""
         await self._run(_rpc.register_system_region(name, key, byte_size, offset), timeout)
 
+    async def register_cuda_region(self, name: str, raw_handle: bytes, device_id: int,
+                                   byte_size: int, offset: int = 0, *, timeout=DEFAULT) -> None:
+        """IndexerClient.register_cuda_region."""
+        await self._run(_rpc.register_cuda_region(name, raw_handle, device_id, byte_size, offset),
+                        timeout)
+
     async def unregister_region(self, name: str = "", *, timeout=DEFAULT) -> int:
         """IndexerClient.unregister_region."""
         return await self._run(_rpc.unregister_region(name), timeout)

@@ -126,6 +126,16 @@ class IndexerClient:
         INVALID_ARGUMENT for a range outside it."""
         self._run(_rpc.register_system_region(name, key, byte_size, offset), timeout)
 
+    def register_cuda_region(self, name: str, raw_handle: bytes, device_id: int, byte_size: int,
+                             offset: int = 0, *, timeout=DEFAULT) -> None:
+        """Registers GPU memory shared by its CUDA IPC handle (cuda_region.CudaRegion has the
+        arguments) as the caller's region `name`: byte_size bytes at `offset` of the allocation,
+        on the server's GPU `device_id`, which the server's kernels read and write in place.
+        FAILED_PRECONDITION for a server that reads no GPU memory or another GPU,
+        INVALID_ARGUMENT for a handle it cannot open or a range past the allocation."""
+        self._run(_rpc.register_cuda_region(name, raw_handle, device_id, byte_size, offset),
+                  timeout)
+
     def unregister_region(self, name: str = "", *, timeout=DEFAULT) -> int:
         """Unregisters the caller's region `name` ("" = all of them); how many were. NOT_FOUND
         for a name not registered. Calls already running keep the memory they name."""

@@ -134,17 +134,20 @@ class ServerInfo:
 @dataclass(frozen=True)
 class RegionStatus:
     """ListRegions: one of the caller's registered regions, `byte_size` bytes at `offset` of the
-    object `key`; kind is "system" (POSIX shared memory)."""
+    object `key` (kind "system": POSIX shared memory) or of a CUDA allocation on GPU device_id
+    (kind "cuda"). pinned: a system region a CUDA server's GPUs read and write in place."""
 
     name: str
     kind: str
     key: str
     offset: int
     byte_size: int
+    device_id: int = 0
+    pinned: bool = False
 
     @classmethod
     def from_proto(cls, r) -> "RegionStatus":
-        return cls(r.name, r.kind, r.key, r.offset, r.byte_size)
+        return cls(r.name, r.kind, r.key, r.offset, r.byte_size, r.device_id, r.pinned)
 
 
 @dataclass(frozen=True)

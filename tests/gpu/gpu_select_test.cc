@@ -104,6 +104,9 @@ class GpuSelectTest : public GpuTest {
       CUDA_OK(cudaDeviceSynchronize());
       CUDA_OK(cudaMemcpy(host_out.data(), out.get(), host_out.size(), cudaMemcpyDeviceToHost));
       staging.Scatter(host_out.data());
+      if (c.values == Values::kIntegers && rep == 0) {
+        ASSERT_NO_FATAL_FAILURE(CheckRawScores(c, staging.batch(), scores));
+      }
       for (size_t i = 0; i < c.spans.size(); ++i) {
         const SpanCase& s = c.spans[i];
         const std::string why = CheckSpan(c, s, got_ids.data() + ids_off[i],
@@ -113,6 +116,42 @@ class GpuSelectTest : public GpuTest {
                            << ", init " << s.params.init_blocks << ", local " << s.params.local_blocks
                            << ", head_dim " << d << ", " << kernels::KeyStorageName(c.storage)
                            << ", repeat " << rep << ")";
+      }
+    }
+  }
+
+  // Integer inputs make every raw block score exact: the scores the last group of selectors
+  // (decode, prefill, exact run in that order and share the scratch) left there are the
+  // reference's, blocks a selector forces aside. Catches a scaling of every score (say a
+  // storage's decode factor), which leaves the selections alone. The batch orders its
+  // descriptors its own way; staging lays the spans' queries out in input order, so the
+  // descriptors by query address are the spans in order.
+  void CheckRawScores(const PoolCase& c, const kernels::cuda::SelectBatch& batch,
+                      const engine::DeviceBuffer& scores) {
+    std::vector<float> got(static_cast<size_t>(batch.ScoreFloats()));
+    CUDA_OK(cudaMemcpy(got.data(), scores.get(), got.size() * 4, cudaMemcpyDeviceToHost));
+    std::vector<const kernels::cuda::SpanDesc*> by_input;
+    for (const kernels::cuda::SpanDesc& d : batch.descs) by_input.push_back(&d);
+    std::sort(by_input.begin(), by_input.end(),
+              [](const auto* a, const auto* b) { return a->queries < b->queries; });
+    ASSERT_EQ(by_input.size(), c.spans.size());
+    const size_t last_group = batch.n_exact > 0 ? batch.n_decode + batch.n_prefill
+                              : batch.n_prefill > 0 ? batch.n_decode
+                                                    : 0;
+    for (size_t i = 0; i < c.spans.size(); ++i) {
+      const SpanCase& s = c.spans[i];
+      const kernels::cuda::SpanDesc& d = *by_input[i];
+      if (static_cast<size_t>(&d - batch.descs.data()) < last_group) continue;
+      ASSERT_EQ(d.start_pos, s.start_pos);
+      ASSERT_EQ(d.Rows(), s.num_tokens * s.num_heads);
+      for (int row = 0; row < d.Rows(); ++row) {
+        const int64_t v = kernels::VisibleBlocks(s.start_pos + row / s.num_heads);
+        for (int64_t b = s.params.init_blocks; b < v - s.params.local_blocks; ++b) {
+          const int64_t at = row * int64_t{d.visible_blocks} + b;
+          ASSERT_EQ(got[static_cast<size_t>(d.score_offset + at)], s.ref_raw[static_cast<size_t>(at)])
+              << "span " << i << " row " << row << " block " << b << " of " << v << ", "
+              << kernels::KeyStorageName(c.storage);
+        }
       }
     }
   }

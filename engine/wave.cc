@@ -145,7 +145,7 @@ absl::Status Wave::CheckDeviceTensors(const Step& s) const {
   const EngineDevice& home = core_.devices[s.seq->device];
   for (int device : devices) {
     if (device == kHostTensor || home.backend->TakesDeviceTensors(device)) continue;
-    if (home.backend->name() != "cuda") {
+    if (!home.backend->TakesDeviceTensors(home.slot.ordinal)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the ", home.backend->name(), " backend cannot read tensors in CUDA regions"));
     }

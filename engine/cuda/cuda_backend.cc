@@ -448,12 +448,8 @@ absl::Status CudaBackend::Stage(Lane& lane, const BackendStep& step,
   // raising the maximum before the keys land can only choose the exact path more often. Keys in
   // device memory are scanned on the device (RecheckDevicePaths).
   lane.staged_writes = step.writes;
-  lane.device_keys = false;
   for (const KeyWrite& w : step.writes) {
-    if (w.keys_on_device) {
-      lane.device_keys = true;
-      continue;
-    }
+    if (w.keys_on_device) continue;
     const float m = kernels::cuda::ScanBf16(w.keys, w.num_tokens * w.layer_count * d).max_abs;
     for (int l = 0; l < w.layer_count; ++l) RaiseKeyMax(w.layer_begin + l, m);
   }
@@ -523,11 +519,13 @@ absl::Status CudaBackend::RecheckDevicePaths(Lane& lane) {
       for (int l = 0; l < w.layer_count; ++l) RaiseKeyMax(w.layer_begin + l, scan->max_abs);
     }
   }
+  const bool device_keys = std::any_of(lane.staged_writes.begin(), lane.staged_writes.end(),
+                                       [](const KeyWrite& w) { return w.keys_on_device; });
   std::vector<kernels::cuda::StagedSpan> again;
   for (size_t i = 0; i < lane.spans.size(); ++i) {
     const kernels::cuda::StagedSpan& s = lane.spans[i];
     const std::optional<kernels::cuda::Bf16Range> scan = staging.SpanScan(i, host_out);
-    if (s.path == kernels::cuda::SpanPath::kExact || (!scan && !lane.device_keys)) continue;
+    if (s.path == kernels::cuda::SpanPath::kExact || (!scan && !device_keys)) continue;
     if (scan && s.host.queries_nonfinite != nullptr && *s.host.queries_nonfinite != 0) {
       continue;  // the item fails
     }

@@ -66,10 +66,9 @@ class Lane {
   SelectGraphCache graphs;
   kernels::cuda::StepStaging staging;
   std::vector<kernels::cuda::StagedSpan> spans;
-  // The step being staged: its writes, whether any has keys in device memory, its page-table
-  // shape, and per span the queries' range (host queries) and the layer.
+  // The step being staged: its writes, its page-table shape, and per span the queries' range
+  // (host queries) and the layer.
   std::span<const kernels::KeyWrite> staged_writes;
-  bool device_keys = false;
   kernels::PageTableParams page_table;
   std::vector<kernels::cuda::Bf16Range> query_ranges;
   std::vector<int> span_layers;

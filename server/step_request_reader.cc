@@ -29,6 +29,15 @@ bool ValidUtf8(absl::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   const auto* const end = p + s.size();
   while (p < end) {
+    // Ids and region names are ASCII: eight bytes at a time while no high bit is set.
+    if (end - p >= 8) {
+      uint64_t word;
+      std::memcpy(&word, p, 8);
+      if ((word & 0x8080808080808080u) == 0) {
+        p += 8;
+        continue;
+      }
+    }
     const unsigned c = *p;
     if (c < 0x80) {
       ++p;

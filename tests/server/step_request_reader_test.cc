@@ -415,7 +415,15 @@ TEST(StepRequestReader, StringFieldsMustBeUtf8AsProtobufChecksThem) {
       "\xF4\x90\x80\x80", "\xF5\x80\x80\x80", "\xF8\x88\x80\x80\x80",  // past U+10FFFF
       "a\xC3(b", std::string("nul\0inside", 10),
   };
+  std::vector<std::string> padded;
   for (const std::string& s : strings) {
+    // ASCII around it, so that it falls at every offset from an eight-byte word's start.
+    for (int pad : {0, 1, 7, 8, 13}) {
+      padded.push_back(std::string(pad, 'x') + s);
+      padded.push_back(std::string(pad, 'y') + s + std::string(9, 'z'));
+    }
+  }
+  for (const std::string& s : padded) {
     const std::string ref = Len(1, s);
     EXPECT_TRUE(SameReading(StepMessage::kAppendKeys, Len(1, s))) << s;
     EXPECT_TRUE(SameReading(StepMessage::kSelectBlocks, Len(1, s) + Len(12, ref))) << s;

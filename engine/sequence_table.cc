@@ -21,7 +21,21 @@ const std::string& LookupKey(absl::string_view tenant, absl::string_view id) {
   return key;
 }
 
+// Asks for the lines of `seq` that finding and locking it read, and the one before it, where
+// make_shared puts the reference count.
+void PrefetchSequence(const Sequence* seq) {
+  const char* p = reinterpret_cast<const char*>(seq);
+  __builtin_prefetch(p - 16, 1);
+  for (size_t at = 0; at < sizeof(Sequence); at += 64) __builtin_prefetch(p + at, 1);
+}
+
 }  // namespace
+
+void Sequence::PrefetchState() const {
+  __builtin_prefetch(lengths.data(), 1);
+  if (!pages.empty()) __builtin_prefetch(&pages.back(), 1);
+  if (!attn_pages.empty()) __builtin_prefetch(&attn_pages.back());
+}
 
 int64_t Sequence::MaxLength() const {
   return lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
@@ -33,6 +47,41 @@ std::shared_ptr<Sequence> SequenceTable::Find(absl::string_view tenant,
   std::lock_guard<std::mutex> lock(mu_);
   auto it = map_.find(key);
   return it == map_.end() ? nullptr : it->second;
+}
+
+void SequenceTable::FindAll(size_t n, absl::FunctionRef<Name(size_t)> name,
+                            absl::FunctionRef<void(size_t, std::shared_ptr<Sequence>)> found) const {
+  // Small enough that a group's lines stay cached between its passes and that other callers
+  // wait for the lock only briefly; large enough for many misses in flight at once.
+  constexpr size_t kGroup = 32;
+  thread_local std::string keys;  // a group's keys, back to back: lookups allocate nothing
+  size_t ends[kGroup];
+  const std::shared_ptr<Sequence>* hits[kGroup];
+  for (size_t begin = 0; begin < n; begin += kGroup) {
+    const size_t count = std::min(kGroup, n - begin);
+    keys.clear();
+    for (size_t i = 0; i < count; ++i) {
+      const Name key = name(begin + i);
+      keys.append(key.tenant.data(), key.tenant.size());
+      keys.push_back('\0');
+      keys.append(key.id.data(), key.id.size());
+      ends[i] = keys.size();
+    }
+    const auto key_of = [&](size_t i) {
+      const size_t start = i == 0 ? 0 : ends[i - 1];
+      return absl::string_view(keys).substr(start, ends[i] - start);
+    };
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < count; ++i) map_.prefetch(key_of(i));
+    for (size_t i = 0; i < count; ++i) {
+      auto it = map_.find(key_of(i));
+      hits[i] = it == map_.end() ? nullptr : &it->second;
+      // The sequence and its reference count (beside it, from make_shared): copying the
+      // pointer below is an atomic increment, which would wait for each miss in turn.
+      if (hits[i] != nullptr) PrefetchSequence(hits[i]->get());
+    }
+    for (size_t i = 0; i < count; ++i) found(begin + i, hits[i] ? *hits[i] : nullptr);
+  }
 }
 
 SequenceTable::InsertResult SequenceTable::RoomLocked(absl::string_view tenant) const {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "engine/sequence_mutex.h"
@@ -53,6 +54,9 @@ struct Sequence {
 
   int64_t MaxLength() const;
   bool Empty() const { return pages.empty() && MaxLength() == 0; }
+  // Asks the CPU for the memory a step reads of this sequence besides the object itself (its
+  // lengths, its last pages), so that a call's many sequences fetch theirs at once.
+  void PrefetchState() const;
 };
 
 class SequenceTable {
@@ -68,6 +72,18 @@ class SequenceTable {
 
   // The sequence with this tenant and id, or nullptr.
   std::shared_ptr<Sequence> Find(absl::string_view tenant, absl::string_view id) const;
+  // A sequence's name, for FindAll.
+  struct Name {
+    absl::string_view tenant;
+    absl::string_view id;
+  };
+  // What Find answers for name(0) .. name(n - 1), handed to found(i, sequence or nullptr) in
+  // order. For a call's many sequences: the lookups of a group share one hold of the table's
+  // lock, and the memory each needs (the map's slots, the sequences found) is fetched for the
+  // whole group before any is read, so that their cache misses overlap. `found` runs with the
+  // table's lock held: it must not call the table.
+  void FindAll(size_t n, absl::FunctionRef<Name(size_t)> name,
+               absl::FunctionRef<void(size_t, std::shared_ptr<Sequence>)> found) const;
   // The sequence with this tenant and id, made (empty, on `device`) when absent; *created says
   // which. nullptr (and *created false) when it is absent and a limit is reached; then
   // *refused (when given) says which (kFull or kTenantFull).

@@ -42,22 +42,30 @@ void Wave::Proceed() {
 
 void Wave::Resolve(std::vector<int64_t>& free, std::vector<int64_t>& planned) {
   live_.clear();
+  unresolved_.clear();
+  for (Step& s : steps_) {
+    if (!s.failed && s.seq == nullptr) unresolved_.push_back(&s);
+  }
+  core_.sequences.FindAll(
+      unresolved_.size(),
+      [&](size_t i) {
+        const PreparedStep& r = *unresolved_[i]->request;
+        return SequenceTable::Name{r.tenant, r.sequence_id};
+      },
+      [&](size_t i, std::shared_ptr<Sequence> seq) { unresolved_[i]->seq = std::move(seq); });
   for (Step& s : steps_) {
     if (s.failed) continue;
     const PreparedStep& r = *s.request;
     SequenceTable::InsertResult refused = SequenceTable::InsertResult::kFull;
-    if (s.seq == nullptr) {
-      s.seq = core_.sequences.Find(r.tenant, r.sequence_id);
-      if (s.seq == nullptr && r.has_append) {
-        const int device = core_.PlaceNew(free, planned);
-        bool created = false;
-        s.seq = core_.sequences.FindOrCreate(r.tenant, r.sequence_id, core_.config.layers,
-                                             &created, device, &refused);
-        s.created = s.created || created;
-        // Pages promised to a sequence this wave creates count against its device for the next
-        // placement (a sequence found, or created by another call, takes none here).
-        if (created && !planned.empty()) planned[device] += BlocksFor(r.append.num_tokens);
-      }
+    if (s.seq == nullptr && r.has_append) {
+      const int device = core_.PlaceNew(free, planned);
+      bool created = false;
+      s.seq = core_.sequences.FindOrCreate(r.tenant, r.sequence_id, core_.config.layers,
+                                           &created, device, &refused);
+      s.created = s.created || created;
+      // Pages promised to a sequence this wave creates count against its device for the next
+      // placement (a sequence found, or created by another call, takes none here).
+      if (created && !planned.empty()) planned[device] += BlocksFor(r.append.num_tokens);
     }
     if (s.seq == nullptr) {
       Fail(s, r.has_append ? core_.sequences.RefusalStatus(refused, r.sequence_id)
@@ -88,6 +96,7 @@ bool Wave::Lock() {
     for (Step* s : live_) {
       s->seq->last_used_ns = now;
       stale = stale || s->seq->released;
+      s->seq->PrefetchState();
     }
     if (!stale || stale_retries_ == 2) return true;
     ++stale_retries_;
@@ -261,6 +270,7 @@ absl::Status Wave::ApplyAppend(Step& s) {
                      s.write_starts.data(), a.keys.data};
   s.write.keys_on_device = a.keys_device != kHostTensor;
   s.write.keys_nonfinite = &s.keys_nonfinite;
+  s.write.keys_summary = a.keys.summary;
   return absl::OkStatus();
 }
 
@@ -317,6 +327,7 @@ void Wave::PrepareSelect(Step& s) {
   span.queries_on_device = r.queries_device != kHostTensor;
   span.outputs_on_device = given.device != kHostTensor;
   span.queries_nonfinite = &s.queries_nonfinite;
+  span.queries_summary = r.queries.summary;
 }
 
 void Wave::Submit() {

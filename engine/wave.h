@@ -130,6 +130,7 @@ class Wave {
   Done done_;
   std::vector<Step> steps_;
   std::vector<Step*> live_;   // steps with a sequence, in address order: locked together
+  std::vector<Step*> unresolved_;  // Resolve's: steps whose sequence it looks up
   std::vector<Chunk> chunks_;
   std::atomic<size_t> pending_{0};
   int stale_retries_ = 0;

@@ -3,10 +3,11 @@
 #pragma once
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "kernels/select_types.h"
 
 namespace indexer::engine {
 
@@ -26,6 +27,7 @@ struct Bf16Rows {
   const uint16_t* data = nullptr;
   int64_t rows = 0;
   std::vector<uint16_t> owned;
+  kernels::Bf16Summary summary;  // known once DecodeRowsView has checked host values
 
   Bf16Rows() = default;
   Bf16Rows(Bf16Rows&&) = default;
@@ -35,7 +37,7 @@ struct Bf16Rows {
 };
 
 // DecodeRows with the same checks and errors, into *out: for bf16 bytes a view of `bytes`,
-// which must then outlive *out.
+// which must then outlive *out; out->summary is what the check found.
 absl::Status DecodeRowsView(absl::string_view bytes, WireDtype dtype, int64_t row_values,
                             absl::string_view field, Bf16Rows* out);
 

@@ -30,6 +30,16 @@ struct KeyPoolView {
   int head_dim = 128;
 };
 
+// What the check of host bf16 values found (engine/wire_values.h, as it checks them finite),
+// so that a backend choosing a kernel path by their range need not read them again: the bf16
+// bits of the largest magnitude, and whether every nonzero magnitude lies in f16's normal range
+// [2^-14, 65504]. `known` false: nobody looked; the backend scans the values itself.
+struct Bf16Summary {
+  bool known = false;
+  uint16_t max_magnitude = 0;
+  bool fits_f16 = true;
+};
+
 // One span of query tokens of one sequence and where its answers go. All pointers are in the
 // memory of whoever runs the selection (host for the CPU, device for CUDA launchers).
 struct SpanSelect {
@@ -50,6 +60,7 @@ struct SpanSelect {
   bool queries_on_device = false;
   bool outputs_on_device = false;
   int32_t* queries_nonfinite = nullptr;
+  Bf16Summary queries_summary;  // of host queries
 };
 
 // Blocks visible to a query at position p: V = floor(p / 128) + 1.
@@ -79,6 +90,7 @@ struct KeyWrite {
   // aligned: as SpanSelect's device queries, with *keys_nonfinite (host) set at the end.
   bool keys_on_device = false;
   int32_t* keys_nonfinite = nullptr;
+  Bf16Summary keys_summary;  // of host keys
 
   // One past the last position any layer of the write reaches.
   int64_t EndPosition() const {

@@ -41,6 +41,14 @@ constexpr int kMaxLanes = 8;
 // A lane whose graphs failed this many times (built or updated) runs its steps without graphs.
 constexpr int kMaxGraphFailures = 3;
 
+// The range of `n` host values: what the engine's check found when it summed them up, else a
+// scan of them.
+kernels::cuda::Bf16Range HostRange(const kernels::Bf16Summary& summary, const uint16_t* values,
+                                   int64_t n) {
+  if (!summary.known) return kernels::cuda::ScanBf16(values, n);
+  return kernels::cuda::Bf16Range{kernels::Bf16ToFloat(summary.max_magnitude), summary.fits_f16};
+}
+
 class CudaBackend final : public KeyCacheBackend {
  public:
   CudaBackend(const EngineConfig& config, const DeviceSlot& slot, const CudaBackendOptions& options)
@@ -450,7 +458,7 @@ absl::Status CudaBackend::Stage(Lane& lane, const BackendStep& step,
   lane.staged_writes = step.writes;
   for (const KeyWrite& w : step.writes) {
     if (w.keys_on_device) continue;
-    const float m = kernels::cuda::ScanBf16(w.keys, w.num_tokens * w.layer_count * d).max_abs;
+    const float m = HostRange(w.keys_summary, w.keys, w.num_tokens * w.layer_count * d).max_abs;
     for (int l = 0; l < w.layer_count; ++l) RaiseKeyMax(w.layer_begin + l, m);
   }
   lane.page_table = page_table;
@@ -463,9 +471,10 @@ absl::Status CudaBackend::Stage(Lane& lane, const BackendStep& step,
     staged.host = task.span;
     staged.keys = pool_.get<char>() + task.layer * layer_bytes_;
     const int rows = task.span.num_tokens * task.span.num_heads;
-    lane.query_ranges[i] = task.span.queries_on_device
-                               ? kernels::cuda::Bf16Range{}
-                               : kernels::cuda::ScanBf16(task.span.queries, int64_t{rows} * d);
+    lane.query_ranges[i] =
+        task.span.queries_on_device
+            ? kernels::cuda::Bf16Range{}
+            : HostRange(task.span.queries_summary, task.span.queries, int64_t{rows} * d);
     lane.span_layers[i] = task.layer;
     staged.path = kernels::cuda::ChoosePath(rows, d, config_.key_storage, lane.query_ranges[i],
                                             KeyMax(task.layer));

@@ -1,6 +1,7 @@
 #include "kernels/cuda/step_staging.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 namespace indexer::kernels::cuda {
@@ -9,15 +10,29 @@ namespace {
 int64_t Align(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 // Copies `n` page ids as id - pages.first; the first id outside the range, or nullopt. Checked
-// branch-free (the loop vectorises), the offender found only when there is one.
+// branch-free in 32-bit lanes (the loop vectorises), the offender found only when there is one.
 std::optional<int32_t> StageTable(const int32_t* ids, int64_t n, PageRange pages, int32_t* dst) {
-  bool outside = false;
+  if (pages.first < 0 || pages.first > INT32_MAX) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t local = int64_t{ids[i]} - pages.first;
+      if (local < 0 || local >= pages.count) return ids[i];
+      dst[i] = static_cast<int32_t>(local);
+    }
+    return std::nullopt;
+  }
+  // With 0 <= first < 2^31, id - first lies in (-2^32, 2^31 - first): taken mod 2^32, the ids in
+  // range land in [0, count) and every other id lands at or above 2^31 - first, or at or above
+  // count. `limit` caps count there, which no id in range reaches anyway.
+  const uint32_t first = static_cast<uint32_t>(pages.first);
+  const int64_t room = (int64_t{1} << 31) - pages.first;
+  const uint32_t limit = static_cast<uint32_t>(std::clamp<int64_t>(pages.count, 0, room));
+  uint32_t outside = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t local = int64_t{ids[i]} - pages.first;
-    outside |= local < 0 || local >= pages.count;
+    const uint32_t local = static_cast<uint32_t>(ids[i]) - first;
+    outside |= static_cast<uint32_t>(local >= limit);
     dst[i] = static_cast<int32_t>(local);
   }
-  if (!outside) return std::nullopt;
+  if (outside == 0) return std::nullopt;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t local = int64_t{ids[i]} - pages.first;
     if (local < 0 || local >= pages.count) return ids[i];

@@ -8,7 +8,7 @@
 // The reference, measured in the same run on the same messages: protobuf parsing the request
 // and serializing an answer of the same shape, which is what the echo server does per call.
 //
-//   indexer-step-path-bench [--items=256] [--prefill=128] [--steps=3000]
+//   indexer-step-path-bench [--items=256] [--prefill=128] [--steps=3000] [--evict_bytes=0]
 //
 // Each step appends one key to every sequence and selects for it (the shape indexer-bench's
 // decode steps have), so sequences grow and open a block every 128 steps as in serving.
@@ -41,6 +41,10 @@ ABSL_FLAG(int32_t, warmup_steps, 300, "Decode steps run first and not measured")
 ABSL_FLAG(int32_t, head_dim, 128, "Values per key and per query head");
 ABSL_FLAG(int32_t, heads, 1, "Query heads per item");
 ABSL_FLAG(int32_t, topk, 16, "Blocks each selection asks for");
+ABSL_FLAG(int64_t, evict_bytes, 0,
+          "Bytes of other memory written before each step and before its reference, as a server "
+          "serving other calls does between one caller's steps; 0: every step runs from a warm "
+          "cache");
 
 namespace indexer::bench {
 namespace {
@@ -91,6 +95,24 @@ class AnswerSink final : public engine::OutputSink {
 
 struct Shape {
   int items, prefill, steps, warmup, head_dim, heads, topk;
+  int64_t evict_bytes;
+};
+
+// Memory written to push a step's working set out of the CPU caches.
+class CacheEvictor {
+ public:
+  explicit CacheEvictor(int64_t bytes) : lines_(static_cast<size_t>(bytes / 64)) {}
+  void Evict() {
+    ++round_;
+    for (Line& line : lines_) line.word = round_;
+  }
+
+ private:
+  struct alignas(64) Line {
+    volatile int64_t word = 0;
+  };
+  std::vector<Line> lines_;
+  int64_t round_ = 0;
 };
 
 std::string Bf16Bytes(int64_t values, std::mt19937_64& rng) {
@@ -168,7 +190,8 @@ double Us(absl::Duration d) { return absl::ToDoubleMicroseconds(d); }
 
 // One decode step through the host path; false (with a message printed) when it failed.
 bool Step(engine::Engine& engine, PhaseKeeper& keeper, const std::string& bytes, const Shape& s,
-          Sample* out) {
+          CacheEvictor& evictor, Sample* out) {
+  evictor.Evict();
   const Clock::time_point t0 = Clock::now();
   server::StepRequestWire wire;
   const absl::Status read = server::ReadStepRequest(server::StepMessage::kBatch, bytes,
@@ -211,13 +234,15 @@ bool Step(engine::Engine& engine, PhaseKeeper& keeper, const std::string& bytes,
   grpc::ByteBuffer written;
   answer.Write(&written);
   const Clock::time_point t3 = Clock::now();
+  evictor.Evict();
+  const Clock::time_point t3e = Clock::now();
   const size_t echo_bytes = ProtobufEcho(bytes, s);
   const Clock::time_point t4 = Clock::now();
   if (echo_bytes == 0) {
     std::fprintf(stderr, "indexer-step-path-bench: protobuf could not parse the request\n");
     return false;
   }
-  *out = Sample{Us(t1 - t0), Us(t2 - t1), Us(t3 - t2), Us(t4 - t3), keeper.last};
+  *out = Sample{Us(t1 - t0), Us(t2 - t1), Us(t3 - t2), Us(t4 - t3e), keeper.last};
   return true;
 }
 
@@ -249,9 +274,10 @@ int Run(const Shape& s) {
   const std::string bytes = DecodeRequest(s, rng);
   std::vector<Sample> samples;
   samples.reserve(static_cast<size_t>(s.steps));
+  CacheEvictor evictor(s.evict_bytes);
   for (int i = 0; i < s.warmup + s.steps; ++i) {
     Sample sample;
-    if (!Step(engine, keeper, bytes, s, &sample)) return 1;
+    if (!Step(engine, keeper, bytes, s, evictor, &sample)) return 1;
     if (i >= s.warmup) samples.push_back(sample);
   }
   const auto median = [&](auto field) {
@@ -264,8 +290,9 @@ int Run(const Shape& s) {
     std::printf("  %-34s %9.1f us %8.0f ns/item\n", what, us, us * per_item);
   };
   std::printf("indexer-step-path-bench %s: %d items of %d key + %d x %d-value queries, topk %d, "
-              "%d steps (median per step)\n",
-              flags::ProgramVersion(), s.items, 1, s.heads, s.head_dim, s.topk, s.steps);
+              "%d steps (median per step), %lld bytes evicted before each\n",
+              flags::ProgramVersion(), s.items, 1, s.heads, s.head_dim, s.topk, s.steps,
+              static_cast<long long>(s.evict_bytes));
   const double read = median([](const Sample& x) { return x.read; });
   const double eng = median([](const Sample& x) { return x.engine; });
   const double answer = median([](const Sample& x) { return x.answer; });
@@ -317,12 +344,12 @@ int main(int argc, char** argv) {
   const indexer::bench::Shape shape{absl::GetFlag(FLAGS_items),    absl::GetFlag(FLAGS_prefill),
                                     absl::GetFlag(FLAGS_steps),    absl::GetFlag(FLAGS_warmup_steps),
                                     absl::GetFlag(FLAGS_head_dim), absl::GetFlag(FLAGS_heads),
-                                    absl::GetFlag(FLAGS_topk)};
+                                    absl::GetFlag(FLAGS_topk),     absl::GetFlag(FLAGS_evict_bytes)};
   if (shape.items < 1 || shape.prefill < 1 || shape.steps < 1 || shape.warmup < 0 ||
-      shape.heads < 1 || shape.topk < 1) {
+      shape.heads < 1 || shape.topk < 1 || shape.evict_bytes < 0) {
     return f::ReportUsageError("indexer-step-path-bench",
                                "--items, --prefill, --steps, --heads and --topk must be >= 1, "
-                               "--warmup_steps >= 0");
+                               "--warmup_steps and --evict_bytes >= 0");
   }
   return indexer::bench::Run(shape);
 }

@@ -1,4 +1,5 @@
-// The engine's building blocks on their own: PagePool, ThreadPool, DecodeRows, EngineConfig.
+// The engine's building blocks on their own: PagePool, SequenceTable, ThreadPool, DecodeRows,
+// EngineConfig.
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -18,9 +20,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "engine/config.h"
 #include "engine/page_pool.h"
 #include "engine/request_validation.h"
+#include "engine/sequence_table.h"
 #include "engine/thread_pool.h"
 #include "engine/wire_values.h"
 #include "kernels/numeric.h"
@@ -184,6 +188,84 @@ TEST(PagePool, ConcurrentAllocateAndReleaseKeepExactCounts) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// SequenceTable
+
+// Ids short enough for a string's inline buffer and long enough for the heap, one with a NUL.
+std::string TableId(int i) {
+  if (i % 3 == 0) return absl::StrCat("s", i);
+  if (i % 3 == 1) return absl::StrCat("a-sequence-id-long-enough-for-the-heap-", i);
+  return absl::StrCat(std::string("nul\0", 4), i);
+}
+
+TEST(SequenceTable, FindAllAnswersWhatFindAnswersInOrder) {
+  SequenceTable table;
+  for (int i = 0; i < 150; i += 2) {
+    bool created = false;
+    ASSERT_NE(nullptr, table.FindOrCreate("t1", TableId(i), 1, &created));
+    ASSERT_TRUE(created);
+  }
+  ASSERT_EQ(SequenceTable::InsertResult::kInserted,
+            table.Insert(std::make_shared<Sequence>("t2", TableId(1), 1)));
+  // Present and absent ids, another tenant's, repeats: more names than one group holds.
+  std::vector<SequenceTable::Name> names;
+  std::vector<std::string> ids;
+  for (int i = 0; i < 150; ++i) ids.push_back(TableId(i));
+  for (int i = 0; i < 150; ++i) names.push_back({"t1", ids[i]});
+  for (int i = 0; i < 10; ++i) names.push_back({"t2", ids[i]});
+  for (int i = 0; i < 10; ++i) names.push_back({"t1", ids[(i * 7) % 150]});
+  names.push_back({"", ids[0]});
+  for (size_t n : {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{33}, names.size()}) {
+    std::vector<std::shared_ptr<Sequence>> found;
+    std::vector<size_t> order;
+    table.FindAll(
+        n, [&](size_t i) { return names[i]; },
+        [&](size_t i, std::shared_ptr<Sequence> seq) {
+          order.push_back(i);
+          found.push_back(std::move(seq));
+        });
+    ASSERT_EQ(n, found.size());
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_EQ(i, order[i]);
+      EXPECT_EQ(table.Find(names[i].tenant, names[i].id), found[i]) << i;
+    }
+  }
+  int hits = 0;
+  table.FindAll(
+      names.size(), [&](size_t i) { return names[i]; },
+      [&](size_t, std::shared_ptr<Sequence> seq) { hits += seq != nullptr; });
+  EXPECT_EQ(75 + 1 + 5, hits);  // t1's even ids, t2's one, the even ones among the repeats
+}
+
+TEST(SequenceTable, FindAllBesideInsertsAndErasesFindsOnlyWhatItNames) {
+  SequenceTable table;
+  std::vector<std::string> ids;
+  for (int i = 0; i < 64; ++i) ids.push_back(TableId(i));
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    for (int round = 0; !stop.load(); ++round) {
+      const std::string& id = ids[round % 64];
+      if (round % 2 == 0) {
+        bool created = false;
+        table.FindOrCreate("t", id, 1, &created);
+      } else {
+        table.Erase("t", ids[(round * 5) % 64]);
+      }
+    }
+  });
+  for (int round = 0; round < 2000; ++round) {
+    table.FindAll(
+        ids.size(), [&](size_t i) { return SequenceTable::Name{"t", ids[i]}; },
+        [&](size_t i, std::shared_ptr<Sequence> seq) {
+          if (seq != nullptr) {
+            EXPECT_EQ(ids[i], seq->id);
+          }
+        });
+  }
+  stop = true;
+  churn.join();
+}
+
+// ---------------------------------------------------------------------------------------------
 // ThreadPool
 
 void ExpectEachIndexOnce(ThreadPool& pool, int64_t n) {
@@ -269,6 +351,54 @@ TEST(DecodeRows, Bf16RowsArePassedThrough) {
   ASSERT_TRUE(DecodeRows(bytes, WireDtype::kBf16, 3, "keys", &out, &rows).ok());
   EXPECT_EQ(rows, 2);
   EXPECT_EQ(out, in);
+}
+
+// The summary the check leaves for backends, against magnitudes compared as floats.
+TEST(DecodeRows, TheViewSumsUpTheValuesItChecked) {
+  const float f16_min_normal = 0x1p-14f, f16_max = 65504.0f;
+  const auto expect_summary = [&](const std::vector<uint16_t>& values, WireDtype dtype,
+                                  const std::string& bytes) {
+    Bf16Rows rows;
+    ASSERT_TRUE(DecodeRowsView(bytes, dtype, 1, "queries", &rows).ok());
+    float max_abs = 0.0f;
+    bool fits = true;
+    for (uint16_t v : values) {
+      const float a = std::fabs(kernels::Bf16ToFloat(v));
+      max_abs = std::max(max_abs, a);
+      fits = fits && (a == 0.0f || (a >= f16_min_normal && a <= f16_max));
+    }
+    EXPECT_TRUE(rows.summary.known);
+    EXPECT_EQ(max_abs, kernels::Bf16ToFloat(rows.summary.max_magnitude));
+    EXPECT_EQ(fits, rows.summary.fits_f16);
+  };
+  // Edges: zeros of both signs, bf16 subnormals, f16's normal range's ends and just past them.
+  const std::vector<std::vector<uint16_t>> cases = {
+      {0x0000},         {0x8000, 0x0000}, {0x0001},         {0x3880, 0xb880},
+      {0x387f},         {0x477f, 0xc77f}, {0x4780},         {0x3f80, 0x8001},
+      {0x7f7f, 0x3f80}, {0xff7f},         {0x4000, 0xc040, 0x3f00},
+  };
+  for (const std::vector<uint16_t>& c : cases) expect_summary(c, WireDtype::kBf16, testing::Bytes(c));
+  std::mt19937 rng(7);
+  for (int round = 0; round < 200; ++round) {
+    std::vector<uint16_t> values(1 + rng() % 300);
+    const int exponent_spread = 1 + static_cast<int>(rng() % 254);
+    for (uint16_t& v : values) {
+      const uint32_t exponent = 127 - exponent_spread / 2 + rng() % exponent_spread;
+      v = static_cast<uint16_t>(((rng() & 1) << 15) | (std::min<uint32_t>(exponent, 254) << 7) |
+                                (rng() & 0x7f));
+    }
+    expect_summary(values, WireDtype::kBf16, testing::Bytes(values));
+    // fp32 on the wire: the summary is of the rounded values.
+    std::string fp32(values.size() * 4, '\0');
+    for (size_t i = 0; i < values.size(); ++i) {
+      const float f = kernels::Bf16ToFloat(values[i]);
+      std::memcpy(fp32.data() + i * 4, &f, 4);
+    }
+    expect_summary(values, WireDtype::kFp32, fp32);
+  }
+  Bf16Rows refused;
+  EXPECT_FALSE(DecodeRowsView(testing::Bytes(std::vector<uint16_t>{0x3f80, 0x7f80}), WireDtype::kBf16, 1, "q", &refused).ok());
+  EXPECT_FALSE(refused.summary.known);
 }
 
 TEST(DecodeRows, Fp32RoundsToBf16TiesToEven) {

@@ -54,9 +54,12 @@ absl::Status PrepareAppend(const EngineConfig& config, const AppendRequest& r,
   const int64_t max_attn =
       (int64_t{std::numeric_limits<int32_t>::max()} - config.page_table.pages_per_block + 1) /
       config.page_table.block_page_stride;
+  // The field's name is built only for the entry that fails.
   for (size_t i = 0; i < r.attention_pages.size(); ++i) {
-    INDEXER_RETURN_IF_ERROR(
-        CheckRange(absl::StrCat("attention_pages[", i, "]"), r.attention_pages[i], 0, max_attn));
+    const int64_t page = r.attention_pages[i];
+    if (page < 0 || page > max_attn) [[unlikely]] {
+      return RangeError(absl::StrCat("attention_pages[", i, "]"), page, 0, max_attn);
+    }
   }
   out->attn = r.attention_pages;
   return absl::OkStatus();

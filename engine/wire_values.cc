@@ -53,22 +53,23 @@ absl::Status CheckFinite(const uint16_t* values, int64_t n, WireDtype dtype, int
                          absl::string_view field, kernels::Bf16Summary* summary = nullptr) {
   // Branch-free scan first (the common case: every value finite), the position only on failure.
   // A value is not finite when its exponent bits are all ones: adding one to the exponent then
-  // carries into bit 15. The summary comes from the same pass: a finite bf16's magnitude bits
-  // order as its magnitude does, and f16's normal magnitudes are bf16 bits 0x3880 (2^-14) to
-  // 0x477F (65280, the largest bf16 not above 65504). Integer lanes only (magnitudes fit int16),
-  // so the loop vectorises.
+  // carries into bit 15. The summary comes from the same pass, by kernels' range rule
+  // (Bf16MagnitudesFitF16). 16-bit integer lanes only (magnitudes fit int16), so the loop
+  // vectorises at full width.
   uint16_t carry = 0;
   int16_t max_bits = 0;
-  int16_t outside = 0;
+  int16_t least = kernels::kBf16NoNonzero;
   for (int64_t i = 0; i < n; ++i) {
     carry |= static_cast<uint16_t>((values[i] & 0x7f80u) + 0x0080u);
     const int16_t a = static_cast<int16_t>(values[i] & 0x7fff);
     max_bits = a > max_bits ? a : max_bits;
-    outside |= static_cast<int16_t>(a != 0 && (a < 0x3880 || a > 0x477f));
+    const int16_t key = kernels::Bf16LeastNonzeroKey(a);
+    least = key < least ? key : least;
   }
   if ((carry & 0x8000u) == 0) {
     if (summary != nullptr) {
-      *summary = kernels::Bf16Summary{true, static_cast<uint16_t>(max_bits), outside == 0};
+      *summary = kernels::Bf16Summary{true, static_cast<uint16_t>(max_bits),
+                                      kernels::Bf16MagnitudesFitF16(least, max_bits)};
     }
     return absl::OkStatus();
   }

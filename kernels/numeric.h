@@ -83,6 +83,33 @@ INDEXER_HD uint16_t FloatToBf16(float f) {
 
 INDEXER_HD bool Bf16IsFinite(uint16_t b) { return (b & 0x7f80u) != 0x7f80u; }
 
+// The range rule of every bf16 range summary (host checks, staging scans, device copies): a
+// finite bf16's magnitude bits (b & 0x7fff) order as its magnitude does, and f16 holds exactly
+// the bf16 magnitudes from bits 0x3880 (2^-14, f16's least normal) to 0x477F (65280, the largest
+// bf16 not above 65504).
+inline constexpr int kBf16F16LeastBits = 0x3880;
+inline constexpr int kBf16F16GreatestBits = 0x477f;
+
+// Whether one nonzero magnitude lies outside f16's range (zero is inside).
+INDEXER_HD constexpr bool Bf16MagnitudeOutsideF16(int magnitude_bits) {
+  return magnitude_bits != 0 &&
+         (magnitude_bits < kBf16F16LeastBits || magnitude_bits > kBf16F16GreatestBits);
+}
+
+// Host scans keep two reductions in 16-bit lanes instead of the per-value test (whose compares
+// widen to 32-bit lanes): the greatest magnitude, and the least of Bf16LeastNonzeroKey, the
+// magnitude less one with zero mapped to kBf16NoNonzero (above every finite magnitude's; no
+// compare, so the loop vectorises).
+inline constexpr int kBf16NoNonzero = 0x7fff;
+INDEXER_HD constexpr int16_t Bf16LeastNonzeroKey(int16_t magnitude_bits) {
+  return static_cast<int16_t>((magnitude_bits - 1) & 0x7fff);
+}
+// Whether values whose least Bf16LeastNonzeroKey is `least_key` and greatest magnitude
+// `greatest_bits` all lie in f16's range (zero is inside).
+INDEXER_HD constexpr bool Bf16MagnitudesFitF16(int least_key, int greatest_bits) {
+  return least_key >= kBf16F16LeastBits - 1 && greatest_bits <= kBf16F16GreatestBits;
+}
+
 // e4m3 byte -> float, exact. Byte 0x7f/0xff (NaN) never occurs in the cache.
 INDEXER_HD float Fp8E4M3ToFloat(uint8_t v) {
   const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24;

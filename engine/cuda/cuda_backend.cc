@@ -582,7 +582,8 @@ absl::Status CudaBackend::Enqueue(Lane& lane, bool use_graphs, bool* enqueued) {
       graph_launches_.fetch_add(1, std::memory_order_relaxed);
       return CudaStatus(r.error, "step graph launch");
     }
-    // Nothing of this step was enqueued: run it without a graph below.
+    // Neither the kernels nor the result copy were enqueued: run the step without a graph below
+    // (an input copy already enqueued is the same bytes again).
     ++lane.graph_failures;
     graph_fallbacks_.fetch_add(1, std::memory_order_relaxed);
   }

@@ -33,43 +33,27 @@ bool SelectGraphCache::SameTopology(const Entry& e, const kernels::cuda::LaunchL
   return true;
 }
 
-cudaError_t SelectGraphCache::Build(const SelectStep& step, Entry* e) {
+cudaError_t SelectGraphCache::Build(const kernels::cuda::LaunchList& list, Entry* e) {
   cudaError_t err = e->graph.Create();
   if (err != cudaSuccess) return err;
   cudaGraph_t g = e->graph.graph();
-  err = cudaGraphAddMemcpyNode1D(&e->in_node, g, nullptr, 0, step.in_dst, step.in_src, step.in_bytes,
-                                 cudaMemcpyHostToDevice);
-  if (err != cudaSuccess) return err;
-  cudaGraphNode_t prev = e->in_node;
-  const kernels::cuda::LaunchList& list = *step.kernels;
+  cudaGraphNode_t prev = nullptr;
   for (int i = 0; i < list.size; ++i) {
     void* args[KernelLaunch::kMaxArgs];
     const cudaKernelNodeParams p = NodeParams(list.items[i], args);
-    err = cudaGraphAddKernelNode(&e->kernel_nodes[i], g, &prev, 1, &p);
+    err = cudaGraphAddKernelNode(&e->kernel_nodes[i], g, i == 0 ? nullptr : &prev, i == 0 ? 0 : 1,
+                                 &p);
     if (err != cudaSuccess) return err;
     prev = e->kernel_nodes[i];
     e->launches[i] = list.items[i];
   }
   e->num_kernels = list.size;
-  err = cudaGraphAddMemcpyNode1D(&e->out_node, g, &prev, 1, step.out_dst, step.out_src, step.out_bytes,
-                                 cudaMemcpyDeviceToHost);
-  if (err != cudaSuccess) return err;
-  e->in = Copy{step.in_dst, step.in_src, step.in_bytes};
-  e->out = Copy{step.out_dst, step.out_src, step.out_bytes};
   return e->graph.Instantiate();
 }
 
-cudaError_t SelectGraphCache::Update(const SelectStep& step, Entry* e, int* updated) {
+cudaError_t SelectGraphCache::Update(const kernels::cuda::LaunchList& list, Entry* e,
+                                     int* updated) {
   cudaGraphExec_t exec = e->graph.exec();
-  const Copy in{step.in_dst, step.in_src, step.in_bytes};
-  if (!(in == e->in)) {
-    const cudaError_t err = cudaGraphExecMemcpyNodeSetParams1D(exec, e->in_node, in.dst, in.src, in.bytes,
-                                                               cudaMemcpyHostToDevice);
-    if (err != cudaSuccess) return err;
-    e->in = in;
-    ++*updated;
-  }
-  const kernels::cuda::LaunchList& list = *step.kernels;
   for (int i = 0; i < list.size; ++i) {
     if (list.items[i].SameAs(e->launches[i])) continue;
     void* args[KernelLaunch::kMaxArgs];
@@ -79,42 +63,50 @@ cudaError_t SelectGraphCache::Update(const SelectStep& step, Entry* e, int* upda
     e->launches[i] = list.items[i];
     ++*updated;
   }
-  const Copy out{step.out_dst, step.out_src, step.out_bytes};
-  if (!(out == e->out)) {
-    const cudaError_t err = cudaGraphExecMemcpyNodeSetParams1D(exec, e->out_node, out.dst, out.src,
-                                                               out.bytes, cudaMemcpyDeviceToHost);
-    if (err != cudaSuccess) return err;
-    e->out = out;
-    ++*updated;
-  }
   return cudaSuccess;
+}
+
+SelectGraphCache::Entry* SelectGraphCache::Prepare(const kernels::cuda::LaunchList& list,
+                                                   GraphLaunchResult* r) {
+  auto it = entries_.begin();
+  while (it != entries_.end() && !SameTopology(*it, list)) ++it;
+  if (it != entries_.end()) {
+    entries_.splice(entries_.begin(), entries_, it);  // most recently used first
+    r->error = Update(list, &entries_.front(), &r->updated_nodes);
+  } else {
+    while (entries_.size() >= capacity_) entries_.pop_back();
+    entries_.emplace_front();
+    r->error = Build(list, &entries_.front());
+    r->built = r->error == cudaSuccess;
+  }
+  if (r->error == cudaSuccess) return &entries_.front();
+  // A graph that failed to build or update is in an unknown state: drop it.
+  (void)cudaGetLastError();
+  entries_.pop_front();
+  return nullptr;
 }
 
 GraphLaunchResult SelectGraphCache::Launch(const SelectStep& step, cudaStream_t stream) {
   GraphLaunchResult r;
   if (step.kernels == nullptr || step.in_bytes == 0 || step.out_bytes == 0) {
-    r.error = cudaErrorInvalidValue;  // zero-length copies cannot be graph nodes
+    r.error = cudaErrorInvalidValue;  // the step's copies are part of its contract
     return r;
   }
-  auto it = entries_.begin();
-  while (it != entries_.end() && !SameTopology(*it, *step.kernels)) ++it;
-  if (it != entries_.end()) {
-    entries_.splice(entries_.begin(), entries_, it);  // most recently used first
-    r.error = Update(step, &entries_.front(), &r.updated_nodes);
-  } else {
-    while (entries_.size() >= capacity_) entries_.pop_back();
-    entries_.emplace_front();
-    r.error = Build(step, &entries_.front());
-    r.built = r.error == cudaSuccess;
+  Entry* e = nullptr;
+  if (step.kernels->size > 0) {
+    e = Prepare(*step.kernels, &r);
+    if (e == nullptr) return r;
   }
-  if (r.error == cudaSuccess) r.error = cudaGraphLaunch(entries_.front().graph.exec(), stream);
+  r.error = cudaMemcpyAsync(step.in_dst, step.in_src, step.in_bytes, cudaMemcpyHostToDevice, stream);
+  if (r.error == cudaSuccess && e != nullptr) r.error = cudaGraphLaunch(e->graph.exec(), stream);
   if (r.error != cudaSuccess) {
-    // A graph that failed to build, update or launch is in an unknown state: drop it.
     (void)cudaGetLastError();
-    entries_.pop_front();
+    if (e != nullptr) entries_.pop_front();  // a graph whose launch failed is in an unknown state
     return r;
   }
   r.enqueued = true;
+  r.error = cudaMemcpyAsync(step.out_dst, step.out_src, step.out_bytes, cudaMemcpyDeviceToHost,
+                            stream);
   return r;
 }
 

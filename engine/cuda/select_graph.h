@@ -1,19 +1,19 @@
-// SelectGraphCache: one lane's CUDA graphs of a selection step, so that a step (the input copy,
-// the selector kernels, the result copy) reaches the GPU as one cudaGraphLaunch.
+// SelectGraphCache: one lane's CUDA graphs of a selection step's kernels, so that a step reaches
+// the GPU as three stream operations: the input copy (pinned host -> device), one cudaGraphLaunch
+// of the selector kernels, the result copy (device -> pinned host). The copies stay stream calls,
+// not graph nodes: a graph that holds host copies takes longer from launch to completion than the
+// same copies around a graph of kernels only (indexer-launch-probe measures both; docs/PERF.md).
 //
-// A graph is a chain of nodes: input copy (pinned host -> device), the kernels of a LaunchList
-// in order, result copy (device -> pinned host). Graphs are keyed by topology only: the
-// kernels' functions and block shapes, in order, which fixes which selector groups run and which
-// decode kernel variant (a backend of one head_dim and storage has at most 4 x 2 x 2 of them).
-// Everything else a plan changes from step to step -- copy sizes, grids, shared memory, argument
-// values -- is set on the cached executable graph before it is launched, node by node and only
-// where it differs from that graph's previous launch (cudaGraphExecMemcpyNodeSetParams1D,
-// cudaGraphExecKernelNodeSetParams: host-side updates that apply from the next launch on). So a
+// Graphs are keyed by topology only: the kernels' functions and block shapes, in order, which
+// fixes which selector groups run and which decode kernel variant (a backend of one head_dim and
+// storage has at most 4 x 2 x 2 of them). Everything else a plan changes from step to step --
+// grids, shared memory, argument values -- is set on the cached executable graph before it is
+// launched, node by node and only where it differs from that graph's previous launch
+// (cudaGraphExecKernelNodeSetParams: host-side updates that apply from the next launch on). So a
 // step that matches a cached topology costs zero to a few node updates plus one graph launch,
 // and never a capture or an instantiation. The cache is an LRU of at most `capacity` graphs.
 //
-// The copies' buffers must outlive the cached graphs: the owner calls Clear() whenever it
-// reallocates a staging or device buffer (even one a kernel argument points into).
+// The owner calls Clear() whenever it reallocates a device buffer a kernel argument points into.
 //
 // Not thread-safe: owned by one lane and used only by the call holding that lane. Graphs are
 // built on, and must be launched on a stream of, the device current when Launch is called.
@@ -44,8 +44,10 @@ struct SelectStep {
 
 struct GraphLaunchResult {
   cudaError_t error = cudaSuccess;
-  // False when nothing of the step reached the stream (building, updating or launching the
-  // graph failed; the graph is dropped): the caller may run the step without a graph instead.
+  // False when neither the kernels nor the result copy reached the stream (building, updating
+  // or launching the graph failed; the graph is dropped): the caller may run the step without a
+  // graph instead. The input copy may have been enqueued; enqueuing it again copies the same
+  // bytes.
   bool enqueued = false;
   bool built = false;     // a graph was instantiated for this step
   int updated_nodes = 0;  // nodes of a cached graph whose parameters were set for this step
@@ -57,7 +59,8 @@ class SelectGraphCache {
   SelectGraphCache(const SelectGraphCache&) = delete;
   SelectGraphCache& operator=(const SelectGraphCache&) = delete;
 
-  // Enqueues `step` on `stream` as one graph launch, building the graph on a miss.
+  // Enqueues `step` on `stream`: the input copy, one launch of its kernels' graph (built on a
+  // miss), the result copy.
   GraphLaunchResult Launch(const SelectStep& step, cudaStream_t stream);
 
   void Clear() { entries_.clear(); }
@@ -66,27 +69,21 @@ class SelectGraphCache {
  private:
   static constexpr int kMaxKernels = kernels::cuda::LaunchList::kMaxLaunches;
 
-  struct Copy {
-    void* dst = nullptr;
-    const void* src = nullptr;
-    size_t bytes = 0;
-    bool operator==(const Copy&) const = default;
-  };
   struct Entry {
     int num_kernels = 0;
     CudaGraph graph;
-    cudaGraphNode_t in_node = nullptr, out_node = nullptr;
     std::array<cudaGraphNode_t, kMaxKernels> kernel_nodes{};
     // What the executable graph holds now (its last launch's parameters).
-    Copy in, out;
     std::array<kernels::cuda::KernelLaunch, kMaxKernels> launches{};
   };
 
   static bool SameTopology(const Entry& e, const kernels::cuda::LaunchList& list);
-  // Builds and instantiates the graph of `step` into *e.
-  static cudaError_t Build(const SelectStep& step, Entry* e);
-  // Sets the parameters of e's executable graph that differ from `step`'s.
-  static cudaError_t Update(const SelectStep& step, Entry* e, int* updated);
+  // Builds and instantiates the graph of `list` into *e.
+  static cudaError_t Build(const kernels::cuda::LaunchList& list, Entry* e);
+  // Sets the parameters of e's executable graph that differ from `list`'s.
+  static cudaError_t Update(const kernels::cuda::LaunchList& list, Entry* e, int* updated);
+  // The cached graph for `list`, built or updated; nullptr on failure (*r says why).
+  Entry* Prepare(const kernels::cuda::LaunchList& list, GraphLaunchResult* r);
 
   size_t capacity_;
   std::list<Entry> entries_;  // most recently used first

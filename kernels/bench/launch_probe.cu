@@ -3,7 +3,10 @@
 // upload from pinned memory, two tiny kernels and one download, handed to the GPU five ways (a
 // graph of all four, or kernels-only graph plus copies, or four stream calls; the wait by
 // cudaStreamSynchronize, by polling cudaStreamQuery, or on another thread), 2,000 times each with
-// a pause between; prints the median time to launch, to wait and in all.
+// a pause between; prints the median time to launch, to wait and in all. Then the upload grows
+// from 16 KB to 512 KB around the kernels-only graph (a step's inputs span that range): whether
+// enqueuing a copy from pinned memory costs the host time in proportion to its bytes, and what
+// a large copy adds to the wait, also when it is sent as copies of 16 KB.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,6 +21,7 @@ namespace {
 
 constexpr int kValues = 4096;
 constexpr int kRuns = 2000;
+constexpr size_t kMaxUploadBytes = size_t{512} << 10;
 
 __global__ void AddOne(const int* in, int* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -112,9 +116,9 @@ void Time(const char* name, Launch launch, Wait wait) {
 
 int main() {
   Buffers b;
-  Check(cudaHostAlloc(&b.h_in, b.bytes, 0), "cudaHostAlloc");
+  Check(cudaHostAlloc(&b.h_in, kMaxUploadBytes, 0), "cudaHostAlloc");
   Check(cudaHostAlloc(&b.h_out, b.bytes, 0), "cudaHostAlloc");
-  Check(cudaMalloc(&b.d_in, b.bytes), "cudaMalloc");
+  Check(cudaMalloc(&b.d_in, kMaxUploadBytes), "cudaMalloc");
   Check(cudaMalloc(&b.d_out, b.bytes), "cudaMalloc");
   cudaStream_t st;
   Check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -162,6 +166,29 @@ int main() {
     }
   });
   waiter.join();
+
+  for (size_t kb : {16, 64, 128, 256, 512}) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "%zu KB upload around the graph; sync", kb);
+    Time(name, [&] {
+      cudaMemcpyAsync(b.d_in, b.h_in, kb << 10, cudaMemcpyHostToDevice, st);
+      cudaGraphLaunch(kernels_only, st);
+      cudaMemcpyAsync(b.h_out, b.d_out, b.bytes, cudaMemcpyDeviceToHost, st);
+    }, sync);
+  }
+  // The same bytes in copies of 16 KB each: whether what a large copy adds is per copy.
+  for (size_t kb : {64, 256}) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "%zu KB as %zu uploads of 16 KB; sync", kb, kb / 16);
+    Time(name, [&] {
+      for (size_t at = 0; at < (kb << 10); at += size_t{16} << 10) {
+        cudaMemcpyAsync(reinterpret_cast<char*>(b.d_in) + at, reinterpret_cast<char*>(b.h_in) + at,
+                        size_t{16} << 10, cudaMemcpyHostToDevice, st);
+      }
+      cudaGraphLaunch(kernels_only, st);
+      cudaMemcpyAsync(b.h_out, b.d_out, b.bytes, cudaMemcpyDeviceToHost, st);
+    }, sync);
+  }
   Check(cudaGetLastError(), "the runs");
   return 0;
 }

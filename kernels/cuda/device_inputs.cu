@@ -1,5 +1,7 @@
 #include "kernels/cuda/device_inputs.h"
 
+#include "kernels/numeric.h"
+
 namespace indexer::kernels::cuda {
 namespace {
 
@@ -26,7 +28,7 @@ __device__ uint4 CleanWord(uint4 w, Lanes8* acc) {
       const uint32_t kept = finite ? v : 0u;
       const uint32_t kept_mag = finite ? mag : 0u;
       acc->max_bits = max(acc->max_bits, kept_mag);
-      acc->outside |= (kept_mag != 0 && (kept_mag < 0x3880u || kept_mag > 0x477fu)) ? 1 : 0;
+      acc->outside |= Bf16MagnitudeOutsideF16(static_cast<int>(kept_mag)) ? 1 : 0;
       out |= kept << (16 * h);
     }
     parts[i] = out;

@@ -70,21 +70,20 @@ PrefillPlan PlanPrefill(std::span<SpanDesc> spans, int row_tile) {
 }
 
 Bf16Range ScanBf16(const uint16_t* values, int64_t n) {
-  // On the bits: values are finite (the engine refuses others), and a finite bf16's magnitude
-  // bits order as its magnitude does. f16 holds exactly the bf16 magnitudes in [2^-14, 65504]:
-  // bits 0x3880 (2^-14) to 0x477F (65280, the largest bf16 not above 65504). Branch-free, so
-  // the loop vectorises: staging scans every query and key of a step.
-  // Magnitudes fit int16, whose max every x86-64 vector unit has.
+  // Values are finite (the engine refuses others); the range rule is Bf16MagnitudesFitF16's.
+  // Branch-free, so the loop vectorises; magnitudes fit int16, whose min and max every x86-64
+  // vector unit has (pminsw, pmaxsw).
   int16_t max_bits = 0;
-  int16_t outside = 0;
+  int16_t least = kBf16NoNonzero;
   for (int64_t i = 0; i < n; ++i) {
     const int16_t a = static_cast<int16_t>(values[i] & 0x7fff);
     max_bits = a > max_bits ? a : max_bits;
-    outside |= static_cast<int16_t>(a != 0 && (a < 0x3880 || a > 0x477f));
+    const int16_t key = Bf16LeastNonzeroKey(a);
+    least = key < least ? key : least;
   }
   Bf16Range r;
   r.max_abs = Bf16ToFloat(static_cast<uint16_t>(max_bits));
-  r.fits_f16 = outside == 0;
+  r.fits_f16 = Bf16MagnitudesFitF16(least, max_bits);
   return r;
 }
 

@@ -218,6 +218,59 @@ TEST(Fp8E4M3, MatchesCudaSatfiniteConversion) {
 // ---------------------------------------------------------------------------------------------
 // bf16
 
+TEST(Bf16, RangeRuleMatchesF16NormalRangeByValue) {
+  // Every finite bf16, against f16's normal range stated in floats: zero, or 2^-14 <= |x| <= 65504.
+  for (uint32_t b = 0; b < 0x10000u; ++b) {
+    const uint16_t bits = static_cast<uint16_t>(b);
+    if (!Bf16IsFinite(bits)) continue;
+    const float mag = std::fabs(Bf16ToFloat(bits));
+    const bool in_f16 = mag == 0.0f || (mag >= std::ldexp(1.0f, -14) && mag <= 65504.0f);
+    ASSERT_EQ(Bf16MagnitudeOutsideF16(bits & 0x7fff), !in_f16) << "bf16 0x" << std::hex << b;
+  }
+}
+
+// The form host scans take (least key, greatest magnitude) agrees with testing every value.
+TEST(Bf16, RangeOfAScanMatchesEveryValueInF16) {
+  const auto in_f16 = [](uint16_t bits) {
+    const float mag = std::fabs(Bf16ToFloat(bits));
+    return mag == 0.0f || (mag >= std::ldexp(1.0f, -14) && mag <= 65504.0f);
+  };
+  const auto scan_fits = [](const std::vector<uint16_t>& values) {
+    int16_t least = kBf16NoNonzero, greatest = 0;
+    for (uint16_t v : values) {
+      const int16_t mag = static_cast<int16_t>(v & 0x7fff);
+      least = std::min(least, Bf16LeastNonzeroKey(mag));
+      greatest = std::max(greatest, mag);
+    }
+    return Bf16MagnitudesFitF16(least, greatest);
+  };
+  EXPECT_TRUE(scan_fits({}));
+  EXPECT_TRUE(scan_fits({0x0000, 0x8000}));  // zeros of either sign
+  for (uint32_t b = 0; b < 0x10000u; ++b) {
+    const uint16_t bits = static_cast<uint16_t>(b);
+    if (!Bf16IsFinite(bits)) continue;
+    ASSERT_EQ(scan_fits({bits}), in_f16(bits)) << "bf16 0x" << std::hex << b;
+    ASSERT_EQ(scan_fits({0x0000, bits, 0x3f80}), in_f16(bits)) << "bf16 0x" << std::hex << b;
+  }
+  std::mt19937 rng(7);
+  // Magnitudes around both ends of f16's range, where one value decides.
+  std::uniform_int_distribution<int> near(0, 3);
+  std::uniform_int_distribution<int> step(-3, 3);
+  std::uniform_int_distribution<int> size(1, 8);
+  for (int i = 0; i < 20000; ++i) {
+    std::vector<uint16_t> values(size(rng));
+    bool all = true;
+    for (uint16_t& v : values) {
+      const int kind = near(rng);
+      const int base = kind == 0 ? 0 : kind == 1 ? 0x3880 : kind == 2 ? 0x477f : 0x3f80;
+      const int mag = kind == 0 ? 0 : base + step(rng);
+      v = static_cast<uint16_t>(mag | ((rng() & 1) ? 0x8000 : 0));
+      all = all && in_f16(v);
+    }
+    ASSERT_EQ(scan_fits(values), all) << "set " << i;
+  }
+}
+
 TEST(Bf16, RoundsToNearestTiesToEven) {
   // 1 + 2^-8 is halfway between 1.0 (0x3f80, even) and 1 + 2^-7 (0x3f81): -> 0x3f80.
   EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f), 0x3f80);

@@ -40,11 +40,16 @@ which --devices=0,1 adds):
   multigpu   the large Batch workload on --devices=FIRST and then on every device of --devices.
              Target: >= 1.8x one GPU's rate. Skipped when fewer than two GPUs are visible.
 
+--rounds N runs the transport and shm cases N times in turn and reports each case's median round
+(one caller's p50 moves by tens of microseconds between runs on a shared host), with every
+round's indexer p50 - echo p50 beside it.
+
 Sequences are rewound to their prefill length every 128 steps (indexer-bench --rewind), so L
 stays within one block of what the case says however long it runs.
 
   scripts/service_bench.py --device cuda --bin .device/bundle --out gpu-out/service
   scripts/service_bench.py --device cuda --bin .device/bundle --cases transport   # ~3 min
+  scripts/service_bench.py --device cuda --bin .device/bundle --cases transport --rounds 3
   scripts/service_bench.py --device cpu --quick --bin build            # about 30 s, for CI
   scripts/service_bench.py --device cuda --cases multigpu --devices 0,1
 
@@ -129,6 +134,12 @@ def parse_args(argv):
     p.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
                    help="an extra flag for every indexer-server started, e.g. "
                         "--server-flag=--batch_max_tasks=64 (repeatable)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the transport and shm cases this many times, in turn with one "
+                        "another (the echo server and the indexer alternating within each "
+                        "round), and report each case's median round by p50, with every "
+                        "round's p50 and difference beside it (default 1): one caller's p50 "
+                        "moves by tens of us between runs on a shared host")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
     return p.parse_args(argv)
 
@@ -412,9 +423,11 @@ def indexer_argv(bins, args, flags, batching=None, devices=None, handler_threads
 # Running a case
 
 
-def run_case(case, target, bins, args, work_dir, reports):
-    """Runs one case; returns its row and puts its indexer-bench report in reports[case]."""
-    report = os.path.join(work_dir, "%s.json" % case["name"])
+def run_case(case, target, bins, args, work_dir, reports, round_=1):
+    """Runs one case (its round `round_`); returns its row and puts its indexer-bench report in
+    reports[(case, round_)]."""
+    stem = case["name"] if round_ == 1 else "%s.round%d" % (case["name"], round_)
+    report = os.path.join(work_dir, "%s.json" % stem)
     argv = [bins["indexer-bench"], "--servers=%s" % target,
             "--style=%s" % case["style"], "--batch=%d" % case["batch"],
             "--concurrency=%d" % case["concurrency"],
@@ -427,7 +440,7 @@ def run_case(case, target, bins, args, work_dir, reports):
             "--json=%s" % report]
     if case.get("shared_memory", "none") != "none":
         argv.append("--shared_memory=%s" % case["shared_memory"])
-    log = os.path.join(work_dir, "%s.bench.log" % case["name"])
+    log = os.path.join(work_dir, "%s.bench.log" % stem)
     t0 = time.time()
     with open(log, "w") as f:
         f.write(" ".join(argv) + "\n\n")
@@ -438,7 +451,8 @@ def run_case(case, target, bins, args, work_dir, reports):
         except subprocess.TimeoutExpired:
             rc = "timeout"
     wall = time.time() - t0
-    row = {"case": case["name"], "group": case["group"], "what": case["what"], "wall_s": wall}
+    row = {"case": case["name"], "group": case["group"], "what": case["what"], "wall_s": wall,
+           "round": round_}
     row["style"] = case["style"]
     for key in ("shape", "transport", "target_kind", "shared_memory"):
         if key in case:
@@ -449,7 +463,7 @@ def run_case(case, target, bins, args, work_dir, reports):
         return row
     with open(report) as f:
         rep = json.load(f)
-    reports[case["name"]] = rep
+    reports[(case["name"], round_)] = rep
     st = rep["stages"][0]
     lat = st["latency_ms"]
     row.update(status="ok",
@@ -478,6 +492,29 @@ def run_case(case, target, bins, args, work_dir, reports):
     else:
         row["kernel_note"] = ss.get("note", "")
     return row
+
+
+def median_rounds(rows):
+    """One row per case, in the order the cases first ran: a case run in several rounds gives
+    its median round by p50 (the lower middle of an even count), with every round's p50 in
+    p50_rounds_us; a round that failed fails the case."""
+    by, order = {}, []
+    for r in rows:
+        if r["case"] not in by:
+            order.append(r["case"])
+            by[r["case"]] = []
+        by[r["case"]].append(r)
+    out = []
+    for name in order:
+        runs = sorted(by[name], key=lambda r: r.get("round", 1))
+        failed = [r for r in runs if r.get("status") != "ok"]
+        if len(runs) == 1 or failed:
+            out.append(failed[0] if failed else runs[0])
+            continue
+        pick = dict(sorted(runs, key=lambda r: r["p50_us"])[(len(runs) - 1) // 2])
+        pick["p50_rounds_us"] = [r["p50_us"] for r in runs]
+        out.append(pick)
+    return out
 
 
 def apply_targets(rows):
@@ -514,6 +551,18 @@ def apply_targets(rows):
             r["met"] = r["vs_target"] >= 1.0
 
 
+def round_diffs(r, echo):
+    """Each round's indexer p50 - echo p50, when both ran in rounds."""
+    ours, theirs = r.get("p50_rounds_us"), echo.get("p50_rounds_us")
+    if ours and theirs and len(ours) == len(theirs):
+        r["diff_rounds_us"] = [a - b for a, b in zip(ours, theirs)]
+
+
+def rounds_cell(r):
+    """Every round's difference, for the tables' last column."""
+    return " / ".join(fmt(d) for d in r["diff_rounds_us"]) if "diff_rounds_us" in r else "-"
+
+
 def transport_targets(rows):
     """The transport group: each indexer run against the echo run of the same case."""
     by = {r["case"]: r for r in rows if r.get("status") == "ok"}
@@ -528,6 +577,7 @@ def transport_targets(rows):
         r["echo_p50_us"] = echo["p50_us"]
         r["echo_p99_us"] = echo["p99_us"]
         r["diff_us"] = r["p50_us"] - echo["p50_us"]
+        round_diffs(r, echo)
         r["x_echo"] = r["p50_us"] / echo["p50_us"]
         primary = r["transport"] == "unix" and (kind == "ratio" or r["style"] == "stream")
         factor = 1.0 if primary else SECONDARY_SLACK
@@ -560,6 +610,7 @@ def shm_targets(rows):
             continue
         r["echo_p50_us"] = echo["p50_us"]
         r["diff_us"] = r["p50_us"] - echo["p50_us"]
+        round_diffs(r, echo)
         r["x_echo"] = r["p50_us"] / echo["p50_us"]
         slack = SHM_SLACK_US.get(r["shared_memory"], {}).get(r["shape"])
         if slack is not None and "kernel_us" in r:
@@ -571,7 +622,7 @@ def shm_targets(rows):
 
 def shm_table(rows):
     head = ["case", "tensors", "echo p50 us", "indexer p50 us", "indexer - echo us", "x echo",
-            "kernel us", "x inline", "allowed us", "met", "stable"]
+            "kernel us", "x inline", "allowed us", "met", "stable", "indexer - echo by round us"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.get("group") != "shm" or not r["case"].endswith("_indexer"):
@@ -579,12 +630,12 @@ def shm_table(rows):
         if r.get("status") != "ok" or "echo_p50_us" not in r:
             note = r.get("note") or "the echo run of this case failed"
             cells = [r.get("shape", r["case"]), r.get("shared_memory", "?")] + ["-"] * 7 + [
-                r.get("status", "?"), note.replace("|", "/")[:160]]
+                r.get("status", "?"), note.replace("|", "/")[:160], "-"]
         else:
             cells = [r["shape"], r["shared_memory"], fmt(r["echo_p50_us"]), fmt(r["p50_us"]),
                      fmt(r["diff_us"]), fmt(r["x_echo"], 2), fmt(r.get("kernel_us")),
                      fmt(r.get("x_inline"), 2), fmt(r.get("allowed_us")), yes_no(r.get("met")),
-                     "yes" if r.get("stable", True) else "no"]
+                     "yes" if r.get("stable", True) else "no", rounds_cell(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -603,7 +654,8 @@ def yes_no(v):
 
 def transport_table(rows):
     head = ["case", "transport", "call", "echo p50 us", "indexer p50 us", "indexer - echo us",
-            "x echo", "kernel us", "allowed us", "target", "ratio to target", "met", "stable"]
+            "x echo", "kernel us", "allowed us", "target", "ratio to target", "met", "stable",
+            "indexer - echo by round us"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.get("group") != "transport" or not r["case"].endswith("_indexer"):
@@ -613,12 +665,13 @@ def transport_table(rows):
             note = r.get("note") or "the echo run of this case failed"
             cells = [r.get("shape", r["case"]), r.get("transport", "?"), call] + ["-"] * 8 + [
                 r.get("status", "?") if r.get("status") != "ok" else "-",
-                note.replace("|", "/")[:160]]
+                note.replace("|", "/")[:160], "-"]
         else:
             cells = [r["shape"], r["transport"], call, fmt(r["echo_p50_us"]), fmt(r["p50_us"]),
                      fmt(r["diff_us"]), fmt(r["x_echo"], 2), fmt(r.get("kernel_us")),
                      fmt(r.get("allowed_us")), r.get("target", ""), fmt(r.get("vs_target"), 2),
-                     yes_no(r.get("met")), "yes" if r.get("stable", True) else "no"]
+                     yes_no(r.get("met")), "yes" if r.get("stable", True) else "no",
+                     rounds_cell(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -704,6 +757,8 @@ def main(argv):
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if args.multigpu_callers < 1:
         die("--multigpu-callers must be at least 1")
+    if args.rounds < 1:
+        die("--rounds must be at least 1")
     if args.multigpu_connections is not None and args.multigpu_connections < 1:
         die("--multigpu-connections must be at least 1")
     cases = select_cases(all_cases(args.quick, args.multigpu_callers, args.multigpu_connections,
@@ -784,9 +839,13 @@ def main(argv):
     # once.
     pair = {"main": 0, "echo": 0, "nobatch": 1, "main_unix": 2, "echo_unix": 2, "gpu1": 3,
             "gpuall": 4}
-    run_order = sorted(cases, key=lambda c: pair[c["server"]])
+    # Later rounds of the transport and shm cases come after the first within their servers'
+    # group (the sort keeps the listed order), so every round takes its turn with the others.
+    runs = [(c, 1) for c in cases] + [
+        (c, k) for k in range(2, args.rounds + 1) for c in cases if c["group"] in ("transport", "shm")]
+    run_order = sorted(runs, key=lambda cr: pair[cr[0]["server"]])
     try:
-        for i, case in enumerate(run_order):
+        for i, (case, round_) in enumerate(run_order):
             reason = skip_reason(case)
             if reason:
                 rows.append({"case": case["name"], "group": case["group"], "what": case["what"],
@@ -807,7 +866,7 @@ def main(argv):
                     print("  %-34s FAILED: %s" % (case["name"], e), file=sys.stderr, flush=True)
                     failed = True
                     continue
-            row = run_case(case, servers.target(key), bins, args, work_dir, reports)
+            row = run_case(case, servers.target(key), bins, args, work_dir, reports, round_)
             rows.append(row)
             if row["status"] != "ok":
                 failed = True
@@ -816,13 +875,16 @@ def main(argv):
                 print("  %-34s p50 %s us, p99 %s us, kernel %s us, %s req/s (%.1f s)" % (
                     case["name"], fmt(row["p50_us"]), fmt(row["p99_us"]),
                     fmt(row.get("kernel_us")), fmt(row["rate"]), row["wall_s"]), file=sys.stderr, flush=True)
-            later = {c["server"] for c in run_order[i + 1:]}
+            later = {c["server"] for c, _ in run_order[i + 1:]}
             if key not in later:
                 servers.stop(key)
     finally:
         servers.stop_all()
 
+    rows = median_rounds(rows)
     rows.sort(key=lambda r: [c["name"] for c in cases].index(r["case"]))
+    reports = {r["case"]: reports[(r["case"], r.get("round", 1))] for r in rows
+               if (r["case"], r.get("round", 1)) in reports}
     apply_targets(rows)
     transport_targets(rows)
     shm_targets(rows)
@@ -849,12 +911,16 @@ def main(argv):
     header = ("Service benchmark: %s backend%s, %gs warm-up + %gs measured per case, %s.\n"
               "Latencies of one decode request (a Batch call or BatchStream message holding a "
               "whole step, or one unary SelectBlocks); kernel = the server's backend selection "
-              "time per request (GetStats, measured window); overhead = p50 - kernel.\n\n"
+              "time per request (GetStats, measured window); overhead = p50 - kernel.\n%s\n"
               % (args.device, " (quick)" if args.quick else "", args.warmup, args.duration,
-                 time.strftime("%Y-%m-%d %H:%M:%S")))
+                 time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "The transport and shm cases ran in %d rounds, in turn with one another: each "
+                 "gives its median round by p50, and every round's difference is beside it.\n"
+                 % args.rounds if args.rounds > 1 else ""))
     with open(os.path.join(out_dir, "service_bench.md"), "w") as f:
         f.write(header + md)
-    summary = {"device": args.device, "quick": args.quick, "warmup_s": args.warmup,
+    summary = {"device": args.device, "quick": args.quick, "rounds": args.rounds,
+               "warmup_s": args.warmup,
                "duration_s": args.duration, "total_s": time.time() - started,
                "server_flags_batching": "batching" in flags, "gpus_visible": gpus,
                "servers": servers.started, "cases": rows}

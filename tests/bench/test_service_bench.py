@@ -10,7 +10,8 @@ ratios and verdicts, the server's breakdown table (or the note that it exports n
 per-case JSON reports parse, the markdown tables list every case, and no server it started is
 left running. It prints the CPU case's ratio to the echo server (a benchmark: only a case that
 fails to run fails the test, never a slow figure). Then the failure paths: a server that refuses
-its flags fails the case (exit 1), an unknown case is a usage error (exit 2).
+its flags fails the case (exit 1), an unknown case is a usage error (exit 2). --rounds keeps one
+row per case, its median round, with every round's p50 and difference.
 
 Environment (set by tests/bench/CMakeLists.txt): INDEXER_SOURCE_DIR, INDEXER_BUILD_DIR,
 INDEXER_TEST_OUT (a scratch folder).
@@ -207,6 +208,38 @@ class ServiceBenchQuick(unittest.TestCase):
         self.assertEqual(sorted(s["server"] for s in started), sorted(want))
         for s in started:
             self.assertTrue(gone(s["pid"]), "server %s (pid %d) still runs" % (s["server"], s["pid"]))
+
+    def test_rounds_report_the_median_round(self):
+        out = os.path.join(OUT, "rounds")
+        pair = ["t_b1_l1k_h1_unix_stream_echo", "t_b1_l1k_h1_unix_stream_indexer"]
+        r = run(["--out", out, "--cases", ",".join(pair), "--rounds", "3"], timeout=120)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        with open(os.path.join(out, "summary.json")) as f:
+            summary = json.load(f)
+        self.assertEqual(summary["rounds"], 3)
+        rows = {row["case"]: row for row in summary["cases"]}
+        self.assertEqual(sorted(rows), sorted(pair))  # one row per case, not per round
+        for name, row in rows.items():
+            with self.subTest(case=name):
+                self.assertEqual(len(row["p50_rounds_us"]), 3)
+                self.assertEqual(row["p50_us"], sorted(row["p50_rounds_us"])[1])
+                # The report kept is the median round's.
+                report = summary["reports"][name]
+                self.assertAlmostEqual(report["stages"][0]["latency_ms"]["p50"] * 1e3,
+                                       row["p50_us"])
+        idx, echo = rows[pair[1]], rows[pair[0]]
+        self.assertEqual(idx["diff_rounds_us"],
+                         [a - b for a, b in zip(idx["p50_rounds_us"], echo["p50_rounds_us"])])
+        self.assertAlmostEqual(idx["diff_us"], idx["p50_us"] - echo["p50_us"])
+        with open(os.path.join(out, "service_bench.md")) as f:
+            md = f.read()
+        self.assertIn("ran in 3 rounds", md)
+        self.assertIn(" / ".join("%.1f" % d for d in idx["diff_rounds_us"]), md)
+        with open(os.path.join(out, "logs.txt")) as f:
+            self.assertIn("t_b1_l1k_h1_unix_stream_indexer.round3.bench.log", f.read())
+        r = run(["--out", out, "--cases", pair[0], "--rounds", "0"], timeout=60)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--rounds must be at least 1", r.stderr)
 
     def test_failures_are_reported(self):
         out = os.path.join(OUT, "failing")

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/status_macros.h"
+#include "kernels/bf16_scan.h"
 #include "kernels/numeric.h"
 
 namespace indexer::engine {
@@ -51,25 +52,12 @@ void ToBf16(absl::string_view bytes, WireDtype dtype, uint16_t* dst) {
 // summary into *summary (when given).
 absl::Status CheckFinite(const uint16_t* values, int64_t n, WireDtype dtype, int64_t row_values,
                          absl::string_view field, kernels::Bf16Summary* summary = nullptr) {
-  // Branch-free scan first (the common case: every value finite), the position only on failure.
-  // A value is not finite when its exponent bits are all ones: adding one to the exponent then
-  // carries into bit 15. The summary comes from the same pass, by kernels' range rule
-  // (Bf16MagnitudesFitF16). 16-bit integer lanes only (magnitudes fit int16), so the loop
-  // vectorises at full width.
-  uint16_t carry = 0;
-  int16_t max_bits = 0;
-  int16_t least = kernels::kBf16NoNonzero;
-  for (int64_t i = 0; i < n; ++i) {
-    carry |= static_cast<uint16_t>((values[i] & 0x7f80u) + 0x0080u);
-    const int16_t a = static_cast<int16_t>(values[i] & 0x7fff);
-    max_bits = a > max_bits ? a : max_bits;
-    const int16_t key = kernels::Bf16LeastNonzeroKey(a);
-    least = key < least ? key : least;
-  }
-  if ((carry & 0x8000u) == 0) {
+  // One vectorised scan first (the common case: every value finite), the position only on
+  // failure; the summary comes from the same pass.
+  const kernels::Bf16Scan scan = kernels::ScanBf16Bits(values, n);
+  if (scan.all_finite) {
     if (summary != nullptr) {
-      *summary = kernels::Bf16Summary{true, static_cast<uint16_t>(max_bits),
-                                      kernels::Bf16MagnitudesFitF16(least, max_bits)};
+      *summary = kernels::Bf16Summary{true, scan.max_magnitude, scan.fits_f16};
     }
     return absl::OkStatus();
   }

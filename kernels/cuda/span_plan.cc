@@ -4,6 +4,7 @@
 
 #include "kernels/cuda/span_plan.h"
 
+#include "kernels/bf16_scan.h"
 #include "kernels/cuda/topk_plan.h"
 #include "kernels/select_types.h"
 
@@ -70,20 +71,11 @@ PrefillPlan PlanPrefill(std::span<SpanDesc> spans, int row_tile) {
 }
 
 Bf16Range ScanBf16(const uint16_t* values, int64_t n) {
-  // Values are finite (the engine refuses others); the range rule is Bf16MagnitudesFitF16's.
-  // Branch-free, so the loop vectorises; magnitudes fit int16, whose min and max every x86-64
-  // vector unit has (pminsw, pmaxsw).
-  int16_t max_bits = 0;
-  int16_t least = kBf16NoNonzero;
-  for (int64_t i = 0; i < n; ++i) {
-    const int16_t a = static_cast<int16_t>(values[i] & 0x7fff);
-    max_bits = a > max_bits ? a : max_bits;
-    const int16_t key = Bf16LeastNonzeroKey(a);
-    least = key < least ? key : least;
-  }
+  // Values are finite (the engine refuses others).
+  const Bf16Scan scan = ScanBf16Bits(values, n);
   Bf16Range r;
-  r.max_abs = Bf16ToFloat(static_cast<uint16_t>(max_bits));
-  r.fits_f16 = Bf16MagnitudesFitF16(least, max_bits);
+  r.max_abs = Bf16ToFloat(scan.max_magnitude);
+  r.fits_f16 = scan.fits_f16;
   return r;
 }
 

@@ -1,9 +1,11 @@
-// kernels/numeric.h: bf16 and fp8 e4m3 rounding, and the selection order key.
+// kernels/numeric.h: bf16 and fp8 e4m3 rounding, bf16 ranges (and kernels/bf16_scan.h's scan of
+// them), and the selection order key.
 //
 // Expected values are worked out by hand in the comments (e4m3: 1 sign, 4 exponent bits with
 // bias 7, 3 mantissa bits; code = sign << 7 | exponent << 3 | mantissa; exponent 0 is subnormal,
 // value mantissa * 2^-9), and checked exhaustively against brute-force nearest-value rounding
 // written here, independent of numeric.h.
+#include "kernels/bf16_scan.h"
 #include "kernels/numeric.h"
 
 #include <algorithm>
@@ -268,6 +270,36 @@ TEST(Bf16, RangeOfAScanMatchesEveryValueInF16) {
       all = all && in_f16(v);
     }
     ASSERT_EQ(scan_fits(values), all) << "set " << i;
+  }
+}
+
+// The one-pass scan against each value tested on its own, at every length around the vector
+// widths (the tails), with non-finite values anywhere.
+TEST(Bf16, ScanMatchesEveryValueOnItsOwn) {
+  std::mt19937 rng(11);
+  const uint16_t specials[] = {0x0000, 0x8000, 0x3880, 0x387f, 0x477f, 0x4780, 0x0001,
+                               0x7f7f, 0x7f80, 0xff80, 0x7fc0, 0x3f80, 0xbf80};
+  for (int n = 0; n <= 140; ++n) {
+    for (int trial = 0; trial < 40; ++trial) {
+      std::vector<uint16_t> v(static_cast<size_t>(n));
+      for (uint16_t& x : v) {
+        const uint32_t pick = rng() % 8;
+        x = pick < 2 ? specials[rng() % std::size(specials)]
+                     : static_cast<uint16_t>(pick < 5 ? 0x3000 + rng() % 0x2000 : rng());
+      }
+      bool finite = true, fits = true;
+      uint16_t greatest = 0;
+      for (uint16_t x : v) {
+        finite = finite && Bf16IsFinite(x);
+        greatest = std::max<uint16_t>(greatest, x & 0x7fff);
+        fits = fits && !Bf16MagnitudeOutsideF16(x & 0x7fff);
+      }
+      const Bf16Scan scan = ScanBf16Bits(v.data(), n);
+      ASSERT_EQ(scan.all_finite, finite) << "n " << n << " trial " << trial;
+      if (!finite) continue;
+      ASSERT_EQ(scan.max_magnitude, greatest) << "n " << n << " trial " << trial;
+      ASSERT_EQ(scan.fits_f16, fits) << "n " << n << " trial " << trial;
+    }
   }
 }
 

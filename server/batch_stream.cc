@@ -73,9 +73,16 @@ void BatchStreamReactor::OnReadDone(bool ok) {
       raw->started = true;
       start.push_back(raw);
     }
-    ReadNextLocked();
+    // Starting a read costs gRPC several microseconds: a request that can run starts first, and
+    // the next read is started after it (the call's own end starts it if that comes first).
+    if (start.empty()) ReadNextLocked();
   }
-  if (!start.empty()) StartCalls(start);
+  if (start.empty()) return;
+  StartCalls(start);
+  // Still inside this reaction, so gRPC has not called OnDone: the reactor is alive, and
+  // ReadNextLocked reads nothing once the stream is finished or its reads have ended.
+  std::lock_guard<std::mutex> lock(mu_);
+  ReadNextLocked();
 }
 
 bool BatchStreamReactor::WaitsForEarlierLocked(const Slot& slot) const {

@@ -2,11 +2,12 @@
 // one stream (say two micro-batches); the reactor answers each with one BatchResponse, in
 // request order.
 //
-// It reads while fewer than kMaxInFlight requests are unanswered. Each request runs at once as a
-// StepCall, unless it names a sequence that an earlier unanswered request of the stream names:
-// then it waits until those have ended, so a stream's requests on one sequence apply in the
-// order they were sent. Answers are written one at a time, in order, each as soon as it and
-// every earlier one are done.
+// It reads while fewer than kMaxInFlight requests are unanswered, starting the next read after
+// the request just read has started (a read's start costs gRPC microseconds that a step waiting
+// for the device can cover). Each request runs at once as a StepCall, unless it names a
+// sequence that an earlier unanswered request of the stream names: then it waits until those
+// have ended, so a stream's requests on one sequence apply in the order they were sent. Answers
+// are written one at a time, in order, each as soon as it and every earlier one are done.
 //
 // It ends the stream with OK once the client has finished sending and every answer is written;
 // with INVALID_ARGUMENT when a request does not parse (after answering the requests before it:

@@ -234,7 +234,10 @@ class ServiceBenchQuick(unittest.TestCase):
         with open(os.path.join(out, "service_bench.md")) as f:
             md = f.read()
         self.assertIn("ran in 3 rounds", md)
-        self.assertIn(" / ".join("%.1f" % d for d in idx["diff_rounds_us"]), md)
+        # As the tables write figures: one decimal, or thousands separated from 1,000 up.
+        shown = ["{:,.0f}".format(d) if abs(d) >= 1000 else "%.1f" % d
+                 for d in idx["diff_rounds_us"]]
+        self.assertIn(" / ".join(shown), md)
         with open(os.path.join(out, "logs.txt")) as f:
             self.assertIn("t_b1_l1k_h1_unix_stream_indexer.round3.bench.log", f.read())
         r = run(["--out", out, "--cases", pair[0], "--rounds", "0"], timeout=60)

@@ -68,7 +68,9 @@ bool SnapshotOnShutdown(server::IndexerServer& s, const server::ServerOptions& o
 }  // namespace
 
 int main(int argc, char** argv) {
-  // First, before any thread exists: every thread inherits the mask, so only Wait takes them.
+  // First, before any thread exists: the allocator's settings, and the signal mask, which every
+  // thread inherits, so that only Wait takes the signals.
+  server::KeepFreedMemory();
   server::ShutdownSignals signals;
   // The environment first: the command line overrides it.
   absl::StatusOr<server::EnvironmentFlags> environment = server::ApplyEnvironment(environ);

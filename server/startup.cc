@@ -2,7 +2,20 @@
 
 #include <pthread.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 namespace indexer::server {
+
+void KeepFreedMemory() {
+#if defined(__GLIBC__)
+  constexpr int kMapAbove = 32 << 20;  // the largest mmap threshold glibc accepts on 64-bit
+  constexpr int kKeepFree = 64 << 20;
+  mallopt(M_MMAP_THRESHOLD, kMapAbove);
+  mallopt(M_TRIM_THRESHOLD, kKeepFree);
+#endif
+}
 
 ShutdownSignals::ShutdownSignals() {
   sigemptyset(&signals_);

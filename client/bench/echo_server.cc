@@ -426,7 +426,9 @@ constexpr char kUsage[] =
 }  // namespace
 
 int main(int argc, char** argv) {
-  // First, before any thread exists: every thread inherits the mask, so only Wait takes them.
+  // First, before any thread exists: the allocator's settings, and the signal mask, which every
+  // thread inherits, so that only Wait takes the signals.
+  indexer::server::KeepFreedMemory();
   indexer::server::ShutdownSignals signals;
   const indexer::flags::FlagFilter ours =
       indexer::flags::FlagsDefinedIn("client/bench/echo_server.cc");

@@ -31,6 +31,7 @@
 #include "flags/command_line.h"
 #include "indexer/v1/indexer.pb.h"
 #include "kernels/numeric.h"
+#include "server/startup.h"
 #include "server/step_answer.h"
 #include "server/step_request_reader.h"
 
@@ -326,6 +327,7 @@ constexpr char kUsage[] =
 }  // namespace indexer::bench
 
 int main(int argc, char** argv) {
+  indexer::server::KeepFreedMemory();  // the server's allocator settings
   namespace f = indexer::flags;
   const f::FlagFilter ours = f::FlagsDefinedIn("server/bench/step_path_bench.cc");
   absl::StatusOr<f::CommandLine> cl = f::ParseCommandLine(argc, argv, ours);

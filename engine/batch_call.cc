@@ -65,6 +65,7 @@ bool BatchCall::Prepare() {
 
 void BatchCall::RunWaves() {
   while (next_ < ready_.size()) {
+    const absl::Time forming = absl::Now();
     if (const absl::Status late = control_.Check(); !late.ok()) {
       for (size_t i = next_; i < ready_.size(); ++i) results_[ready_[i]->index] = late;
       break;
@@ -84,6 +85,7 @@ void BatchCall::RunWaves() {
     wave_ = std::make_unique<Wave>(core_, steps,
                                    CallContext{results_, budget_, control_, sink_, phases_},
                                    [this] { OnWaveDone(); });
+    phases_.wave += absl::Now() - forming;
     wave_state_.store(kStarting, std::memory_order_release);
     wave_->Start();
     if (wave_state_.exchange(kIdle, std::memory_order_acq_rel) != kEnded) return;

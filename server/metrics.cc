@@ -29,11 +29,12 @@ prometheus::Histogram::BucketBoundaries PhaseBuckets() {
 }
 
 // The phases of indexer_step_phase_seconds, in the order ServiceMetrics::phase_ holds them.
-constexpr const char* kPhaseNames[] = {"parse",  "validate", "lock",    "apply",
-                                       "queue",  "stage",    "launch",  "device",
-                                       "scatter", "complete", "respond"};
+constexpr const char* kPhaseNames[] = {"parse",  "validate", "wave",    "lock",
+                                       "apply",  "queue",    "stage",   "launch",
+                                       "device", "scatter",  "complete", "respond"};
 enum Phase {
-  kParse, kValidate, kLock, kApply, kQueue, kStage, kLaunch, kDevice, kScatter, kComplete, kRespond
+  kParse, kValidate, kWave, kLock, kApply, kQueue, kStage, kLaunch, kDevice, kScatter, kComplete,
+  kRespond
 };
 
 // Counts from 1 to 4096, doubling.
@@ -259,6 +260,7 @@ void ServiceMetrics::OnCallPhases(const engine::CallPhases& p) {
     phase_[phase]->Observe(absl::ToDoubleSeconds(d));
   };
   observe(kValidate, p.validate);
+  observe(kWave, p.wave);
   observe(kLock, p.lock);
   observe(kApply, p.apply);
   observe(kQueue, p.queue);

@@ -61,9 +61,10 @@ class ServiceMetrics final : public engine::EngineObserver {
   void OnBatchLaunched(int64_t groups) override;
   void OnBatchQueued(absl::Duration waited) override;
   void OnBatchDropped(absl::StatusCode why) override;
-  // Where calls' time goes, by phase: the engine's (engine::CallPhases: validate, lock, apply,
-  // queue, stage, launch, device, scatter, complete) and the server's own (parse: the request's bytes
-  // into messages; respond: the answer built and serialized). indexer_step_phase_seconds{phase}.
+  // Where calls' time goes, by phase: the engine's (engine::CallPhases: validate, wave, lock,
+  // apply, queue, stage, launch, device, scatter, complete) and the server's own (parse: the
+  // request's bytes into messages; respond: the answer built and serialized).
+  // indexer_step_phase_seconds{phase}.
   void OnCallPhases(const engine::CallPhases& phases) override;
   void RecordServerPhases(absl::Duration parse, absl::Duration respond);
 

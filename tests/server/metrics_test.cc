@@ -99,6 +99,11 @@ TEST_F(MetricsTest, GetStatsAndTheEndpointCountEveryCall) {
   EXPECT_EQ(StatValue(*stats, "indexer_pages_used", {{"device", "cpu"}}), used);
   EXPECT_EQ(StatValue(*stats, "indexer_pages_capacity", {{"device", "cpu"}}), options_.engine.capacity_pages);
   EXPECT_EQ(StatValue(*stats, "indexer_live_sequences", {}), 3);
+  // Every step call (three appends, two selections, one batch) is timed in every phase.
+  for (const char* phase : {"parse", "validate", "wave", "lock", "apply", "queue", "stage",
+                            "launch", "device", "scatter", "complete", "respond"}) {
+    EXPECT_EQ(StatValue(*stats, "indexer_step_phase_seconds", {{"phase", phase}}), 6) << phase;
+  }
 
   // The Prometheus endpoint serves the same registry.
   ASSERT_GT(server_->metrics_port(), 0);

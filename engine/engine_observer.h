@@ -14,9 +14,10 @@ namespace indexer::engine {
 
 // Where one Batch call's time went in the engine (Engine::Batch and its async form), summed
 // over its waves: checking the items, forming each wave (items on distinct sequences) and its
-// per-step state, taking the sequences' locks (waiting for busy ones included), applying appends and staging the groups for the batchers, waiting in the select
-// queue, the backend's staging and launch, the device's work and the results' scatter
-// (StepTiming, the slowest group of each wave), and committing or rolling back and answering.
+// per-step state, taking the sequences' locks (waiting for busy ones included), applying
+// appends and staging the groups for the batchers, waiting in the select queue, the backend's
+// staging and launch, the device's work and the results' scatter (StepTiming, the slowest group
+// of each wave), and committing or rolling back and answering.
 struct CallPhases {
   absl::Duration validate;
   absl::Duration wave;

@@ -24,6 +24,7 @@
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/select_batch.h"
 #include "kernels/cuda/span_plan.h"
+#include "kernels/cuda/step_copy.h"
 #include "kernels/cuda/step_staging.h"
 
 namespace indexer::engine {
@@ -565,16 +566,22 @@ absl::Status CudaBackend::Enqueue(Lane& lane, bool use_graphs, bool* enqueued) {
   const kernels::cuda::StepStaging& staging = lane.staging;
   char* din = lane.d_in.get<char>();
   char* dout = lane.d_out.get<char>();
-  const size_t in = static_cast<size_t>(staging.input_bytes());
-  const size_t out = static_cast<size_t>(staging.output_bytes());
   cudaStream_t st = lane.stream.get();
+  // The step's inputs come out of the lane's mapped pinned buffer and its outputs go back into
+  // it by kernels at both ends of the list: the whole step is one graph launch.
   kernels::cuda::LaunchList launches;
+  INDEXER_RETURN_IF_ERROR(CudaStatus(
+      kernels::cuda::DescribeStepCopy(lane.h_in.get(), din, staging.input_bytes(), &launches),
+      "step input copy"));
   INDEXER_RETURN_IF_ERROR(CudaStatus(staging.Describe(din, dout, lane.d_scores.get<float>(),
                                                       lane.d_counters.get<int>(), &launches),
                                      "step launch"));
-  if (use_graphs && options_.use_graphs && lane.graph_failures < kMaxGraphFailures && out > 0) {
-    const SelectStep graph_step{din, lane.h_in.get(), in, &launches, lane.h_out.get(), dout, out};
-    const GraphLaunchResult r = lane.graphs.Launch(graph_step, st);
+  INDEXER_RETURN_IF_ERROR(CudaStatus(
+      kernels::cuda::DescribeStepCopy(dout, lane.h_out.get(), staging.output_bytes(), &launches),
+      "step result copy"));
+  if (launches.size == 0) return absl::OkStatus();
+  if (use_graphs && options_.use_graphs && lane.graph_failures < kMaxGraphFailures) {
+    const GraphLaunchResult r = lane.graphs.Launch(launches, st);
     graph_builds_.fetch_add(r.built ? 1 : 0, std::memory_order_relaxed);
     graph_node_updates_.fetch_add(r.updated_nodes, std::memory_order_relaxed);
     if (r.enqueued) {
@@ -582,21 +589,12 @@ absl::Status CudaBackend::Enqueue(Lane& lane, bool use_graphs, bool* enqueued) {
       graph_launches_.fetch_add(1, std::memory_order_relaxed);
       return CudaStatus(r.error, "step graph launch");
     }
-    // Neither the kernels nor the result copy were enqueued: run the step without a graph below
-    // (an input copy already enqueued is the same bytes again).
+    // Nothing was enqueued: run the step without a graph below.
     ++lane.graph_failures;
     graph_fallbacks_.fetch_add(1, std::memory_order_relaxed);
   }
   *enqueued = true;
-  INDEXER_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(din, lane.h_in.get(), in, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync(step inputs)"));
-  INDEXER_RETURN_IF_ERROR(CudaStatus(launches.Enqueue(st), "step launch"));
-  if (out > 0) {
-    INDEXER_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(lane.h_out.get(), dout, out, cudaMemcpyDeviceToHost, st),
-        "cudaMemcpyAsync(step results)"));
-  }
-  return absl::OkStatus();
+  return CudaStatus(launches.Enqueue(st), "step launch");
 }
 
 void CudaBackend::Finish(Lane& lane, absl::Status synced, StepTiming timing, absl::Time launched,

@@ -16,16 +16,28 @@
 namespace indexer::engine {
 
 // The two kinds of memory a CudaMemory owns: device memory from cudaMalloc (never managed) and
-// page-locked host memory from cudaMallocHost, for fast asynchronous copies.
+// page-locked host memory, mapped into every device's address space at its host address, which
+// kernels read and write in place (a step's copies are kernels: kernels/cuda/step_copy.h) and
+// copies use as a fast asynchronous source or target.
 struct DeviceMemoryKind {
   static cudaError_t Alloc(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
   static void Free(void* p) { (void)cudaFree(p); }
   static constexpr const char* kAllocName = "cudaMalloc";
 };
 struct PinnedMemoryKind {
-  static cudaError_t Alloc(void** p, size_t bytes) { return cudaMallocHost(p, bytes); }
+  static cudaError_t Alloc(void** p, size_t bytes) {
+    cudaError_t err = cudaHostAlloc(p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (err != cudaSuccess) return err;
+    // Unified addressing (every 64-bit platform CUDA supports) maps it at the same address.
+    void* device = nullptr;
+    err = cudaHostGetDevicePointer(&device, *p, 0);
+    if (err == cudaSuccess && device == *p) return cudaSuccess;
+    (void)cudaFreeHost(*p);
+    *p = nullptr;
+    return err != cudaSuccess ? err : cudaErrorNotSupported;
+  }
   static void Free(void* p) { (void)cudaFreeHost(p); }
-  static constexpr const char* kAllocName = "cudaMallocHost";
+  static constexpr const char* kAllocName = "cudaHostAlloc(mapped, at its host address)";
 };
 
 // Owns one allocation of `Kind`; movable, not copyable.

@@ -86,27 +86,22 @@ SelectGraphCache::Entry* SelectGraphCache::Prepare(const kernels::cuda::LaunchLi
   return nullptr;
 }
 
-GraphLaunchResult SelectGraphCache::Launch(const SelectStep& step, cudaStream_t stream) {
+GraphLaunchResult SelectGraphCache::Launch(const kernels::cuda::LaunchList& step,
+                                           cudaStream_t stream) {
   GraphLaunchResult r;
-  if (step.kernels == nullptr || step.in_bytes == 0 || step.out_bytes == 0) {
-    r.error = cudaErrorInvalidValue;  // the step's copies are part of its contract
+  if (step.size == 0) {
+    r.error = cudaErrorInvalidValue;
     return r;
   }
-  Entry* e = nullptr;
-  if (step.kernels->size > 0) {
-    e = Prepare(*step.kernels, &r);
-    if (e == nullptr) return r;
-  }
-  r.error = cudaMemcpyAsync(step.in_dst, step.in_src, step.in_bytes, cudaMemcpyHostToDevice, stream);
-  if (r.error == cudaSuccess && e != nullptr) r.error = cudaGraphLaunch(e->graph.exec(), stream);
+  Entry* e = Prepare(step, &r);
+  if (e == nullptr) return r;
+  r.error = cudaGraphLaunch(e->graph.exec(), stream);
   if (r.error != cudaSuccess) {
     (void)cudaGetLastError();
-    if (e != nullptr) entries_.pop_front();  // a graph whose launch failed is in an unknown state
+    entries_.pop_front();  // a graph whose launch failed is in an unknown state
     return r;
   }
   r.enqueued = true;
-  r.error = cudaMemcpyAsync(step.out_dst, step.out_src, step.out_bytes, cudaMemcpyDeviceToHost,
-                            stream);
   return r;
 }
 

@@ -1,12 +1,13 @@
 // indexer-launch-probe: the host's cost of one small device round trip, the floor under every
 // step the CUDA backend runs (docs/PERF.md, "The service against the echo floor"). One 16 KB
-// upload from pinned memory, two tiny kernels and one download, handed to the GPU five ways (a
-// graph of all four, or kernels-only graph plus copies, or four stream calls; the wait by
-// cudaStreamSynchronize, by polling cudaStreamQuery, or on another thread), 2,000 times each with
-// a pause between; prints the median time to launch, to wait and in all. Then the upload grows
-// from 16 KB to 512 KB around the kernels-only graph (a step's inputs span that range): whether
-// enqueuing a copy from pinned memory costs the host time in proportion to its bytes, and what
-// a large copy adds to the wait, also when it is sent as copies of 16 KB.
+// upload from pinned memory, two tiny kernels and one download, handed to the GPU several ways:
+// by the copy engine (a graph of all four, or a kernels-only graph plus copies, or four stream
+// calls; the wait by cudaStreamSynchronize, by polling cudaStreamQuery, or on another thread),
+// or as one graph whose copies are kernels reading and writing mapped pinned memory (the
+// backend's form: kernels/cuda/step_copy.h), also waited for on a flag its last kernel raises.
+// 2,000 times each with a pause between; prints the median time to launch, to wait and in all.
+// Then the upload grows from 16 KB to 512 KB (a step's inputs span that range), by the copy
+// engine (also as copies of 16 KB) and by the copy kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -33,6 +34,20 @@ __global__ void Twice(int* out, int n) {
   if (i < n) out[i] *= 2;
 }
 
+// A copy by the SMs instead of the copy engine: 16 bytes per thread per pass. Either side may be
+// mapped pinned host memory.
+__global__ void CopyWords(const uint4* src, uint4* dst, int n16) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += gridDim.x * blockDim.x) {
+    dst[i] = src[i];
+  }
+}
+
+// Tells a host thread spinning on mapped memory that the kernels before it have ended.
+__global__ void RaiseFlag(volatile int* flag, int value) {
+  __threadfence_system();
+  *flag = value;
+}
+
 void Check(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return;
   std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
@@ -55,7 +70,58 @@ struct Buffers {
   int* d_out = nullptr;
   int n = kValues;
   size_t bytes = kValues * sizeof(int);
+  int* flag = nullptr;  // mapped pinned host memory
 };
+
+void AddCopyNode(cudaGraph_t g, cudaGraphNode_t* prev, const void* src, void* dst, size_t bytes) {
+  int n16 = static_cast<int>(bytes / 16);
+  void* args[] = {&src, &dst, &n16};
+  cudaKernelNodeParams p{};
+  p.gridDim = dim3(std::min(132 * 2, (n16 + 255) / 256));
+  p.blockDim = dim3(256);
+  p.func = reinterpret_cast<void*>(CopyWords);
+  p.kernelParams = args;
+  cudaGraphNode_t node;
+  Check(cudaGraphAddKernelNode(&node, g, *prev ? prev : nullptr, *prev ? 1 : 0, &p), "copy node");
+  *prev = node;
+}
+
+// One graph for the whole round trip with no copy engine: a copy kernel reads `upload` bytes of
+// mapped pinned memory into device memory, AddOne, Twice, a copy kernel writes the results into
+// mapped pinned memory; `flag_value` > 0 adds a kernel that raises the host flag last.
+cudaGraphExec_t BuildKernelCopyGraph(Buffers& b, size_t upload, int flag_value) {
+  cudaGraph_t g;
+  Check(cudaGraphCreate(&g, 0), "cudaGraphCreate");
+  cudaGraphNode_t prev = nullptr;
+  AddCopyNode(g, &prev, b.h_in, b.d_in, upload);
+  void* add_args[] = {&b.d_in, &b.d_out, &b.n};
+  void* twice_args[] = {&b.d_out, &b.n};
+  cudaKernelNodeParams p{};
+  p.gridDim = dim3(kValues / 256);
+  p.blockDim = dim3(256);
+  p.func = reinterpret_cast<void*>(AddOne);
+  p.kernelParams = add_args;
+  cudaGraphNode_t add, twice;
+  Check(cudaGraphAddKernelNode(&add, g, &prev, 1, &p), "kernel node");
+  p.func = reinterpret_cast<void*>(Twice);
+  p.kernelParams = twice_args;
+  Check(cudaGraphAddKernelNode(&twice, g, &add, 1, &p), "kernel node");
+  prev = twice;
+  AddCopyNode(g, &prev, b.d_out, b.h_out, b.bytes);
+  if (flag_value > 0) {
+    void* flag_args[] = {&b.flag, &flag_value};
+    p.gridDim = dim3(1);
+    p.blockDim = dim3(1);
+    p.func = reinterpret_cast<void*>(RaiseFlag);
+    p.kernelParams = flag_args;
+    cudaGraphNode_t raise;
+    Check(cudaGraphAddKernelNode(&raise, g, &prev, 1, &p), "flag node");
+  }
+  cudaGraphExec_t exec;
+  Check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
+  Check(cudaGraphDestroy(g), "cudaGraphDestroy");
+  return exec;
+}
 
 // A graph of `kernels` AddOne then Twice, between an upload and a download when `copies`.
 cudaGraphExec_t BuildGraph(Buffers& b, bool copies) {
@@ -116,8 +182,10 @@ void Time(const char* name, Launch launch, Wait wait) {
 
 int main() {
   Buffers b;
-  Check(cudaHostAlloc(&b.h_in, kMaxUploadBytes, 0), "cudaHostAlloc");
-  Check(cudaHostAlloc(&b.h_out, b.bytes, 0), "cudaHostAlloc");
+  Check(cudaHostAlloc(&b.h_in, kMaxUploadBytes, cudaHostAllocMapped), "cudaHostAlloc");
+  Check(cudaHostAlloc(&b.h_out, b.bytes, cudaHostAllocMapped), "cudaHostAlloc");
+  Check(cudaHostAlloc(&b.flag, sizeof(int), cudaHostAllocMapped), "cudaHostAlloc");
+  *b.flag = 0;
   Check(cudaMalloc(&b.d_in, kMaxUploadBytes), "cudaMalloc");
   Check(cudaMalloc(&b.d_out, b.bytes), "cudaMalloc");
   cudaStream_t st;
@@ -188,6 +256,63 @@ int main() {
       cudaGraphLaunch(kernels_only, st);
       cudaMemcpyAsync(b.h_out, b.d_out, b.bytes, cudaMemcpyDeviceToHost, st);
     }, sync);
+  }
+
+  // No copy engine: the SMs read the upload from mapped pinned memory and write the results into
+  // it, all in one graph.
+  const cudaGraphExec_t kernel_copies = BuildKernelCopyGraph(b, size_t{16} << 10, 0);
+  Check(cudaGraphUpload(kernel_copies, st), "cudaGraphUpload");
+  Time("graph: copy kernel, 2 kernels, copy kernel; sync", [&] { cudaGraphLaunch(kernel_copies, st); },
+       sync);
+  Time("graph: copy kernel, 2 kernels, copy kernel; poll", [&] { cudaGraphLaunch(kernel_copies, st); },
+       poll);
+  launched = 0;
+  seen = 0;
+  std::thread copy_waiter([&] {
+    for (int i = 0; i < kRuns; ++i) {
+      while (launched.load() <= i) {
+      }
+      sync();
+      seen.store(i + 1);
+    }
+  });
+  Time("graph: kernel copies; another thread syncs", [&] {
+    cudaGraphLaunch(kernel_copies, st);
+    launched.fetch_add(1);
+  }, [&] {
+    while (seen.load() < launched.load()) {
+    }
+  });
+  copy_waiter.join();
+  // Waited for on a flag the graph's last kernel raises in mapped memory: no driver call.
+  {
+    const cudaGraphExec_t flag_graph = BuildKernelCopyGraph(b, size_t{16} << 10, 1);
+    Check(cudaGraphUpload(flag_graph, st), "cudaGraphUpload");
+    Time("graph: kernel copies; spin on a mapped flag", [&] {
+      *b.flag = 0;
+      cudaGraphLaunch(flag_graph, st);
+    }, [&] {
+      while (*reinterpret_cast<volatile int*>(b.flag) == 0) {
+      }
+    });
+    Check(cudaStreamSynchronize(st), "sync");
+  }
+  for (size_t kb : {1, 64, 128, 256, 512}) {
+    const cudaGraphExec_t g = BuildKernelCopyGraph(b, kb << 10, 0);
+    Check(cudaGraphUpload(g, st), "cudaGraphUpload");
+    char name[64];
+    std::snprintf(name, sizeof(name), "%zu KB by copy kernel in the graph; sync", kb);
+    Time(name, [&] { cudaGraphLaunch(g, st); }, sync);
+  }
+  // The copy kernels' results are the stream path's.
+  for (int i = 0; i < kValues; ++i) b.h_in[i] = i;
+  Check(cudaGraphLaunch(kernel_copies, st), "launch");
+  Check(cudaStreamSynchronize(st), "sync");
+  for (int i = 0; i < kValues; ++i) {
+    if (b.h_out[i] != 2 * (i + 1)) {
+      std::fprintf(stderr, "copy kernels: value %d is %d, expected %d\n", i, b.h_out[i], 2 * (i + 1));
+      return 1;
+    }
   }
   Check(cudaGetLastError(), "the runs");
   return 0;

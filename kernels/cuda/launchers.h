@@ -95,10 +95,11 @@ struct KernelLaunch {
   }
 };
 
-// The launches of one selection, in stream order (at most five: decode, prefill score and top-k,
-// exact score and top-k).
+// The launches of one step, in stream order: the input copy, the copy of device inputs, the key
+// writes (one launch per 65535), the selectors (at most five: decode, prefill score and top-k,
+// exact score and top-k), the output copy.
 struct LaunchList {
-  static constexpr int kMaxLaunches = 10;
+  static constexpr int kMaxLaunches = 12;
   std::array<KernelLaunch, kMaxLaunches> items;
   int size = 0;
 

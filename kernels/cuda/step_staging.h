@@ -17,7 +17,8 @@
 //
 // Use: Plan, size the buffers (input_bytes to copy, device_input_bytes on the device,
 // output_bytes), WriteInputs into the pinned input buffer, copy input_bytes to the device,
-// launch Describe's list, copy the outputs back, Scatter. Not thread-safe; one staging per step
+// launch Describe's list, copy the outputs back, Scatter. The CUDA backend's copies are kernels
+// around Describe's list, all in one graph (step_copy.h). Not thread-safe; one staging per step
 // in flight.
 #pragma once
 

@@ -10,11 +10,14 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_resources.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/span_plan.h"
+#include "kernels/cuda/step_copy.h"
 #include "kernels/cuda/step_staging.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/testing/gpu_test.h"
@@ -83,27 +86,34 @@ class GpuSelectTest : public GpuTest {
     CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     kernels::cuda::StepStaging staging;
     staging.Plan({}, staged, d, c.storage, c.pt);
-    std::vector<char> host_in(staging.input_bytes()), host_out(std::max<int64_t>(staging.output_bytes(), 4));
-    ASSERT_TRUE(in.Allocate(std::max<size_t>(host_in.size(), 16)).ok());
-    ASSERT_TRUE(out.Allocate(host_out.size()).ok());
-    ASSERT_EQ(staging.WriteInputs(host_in.data(), in.get<char>(), out.get<char>(),
+    // Mapped pinned staging and the copy kernels around the selectors, as the backend runs a step.
+    engine::PinnedBuffer host_in, host_out;
+    const size_t out_bytes = static_cast<size_t>(std::max<int64_t>(staging.output_bytes(), 4));
+    ASSERT_TRUE(host_in.Allocate(std::max<size_t>(staging.input_bytes(), 16)).ok());
+    ASSERT_TRUE(host_out.Allocate(out_bytes).ok());
+    ASSERT_TRUE(in.Allocate(std::max<size_t>(staging.input_bytes(), 16)).ok());
+    ASSERT_TRUE(out.Allocate(out_bytes).ok());
+    ASSERT_EQ(staging.WriteInputs(host_in.get<char>(), in.get<char>(), out.get<char>(),
                                   kernels::cuda::PageRange{0, c.num_pages}, {}, sms),
               std::nullopt);
-    CUDA_OK(cudaMemcpy(in.get(), host_in.data(), host_in.size(), cudaMemcpyHostToDevice));
     ASSERT_TRUE(scores.Allocate(staging.ScoreFloats() * 4).ok());
     ASSERT_TRUE(counters.Allocate(staging.DecodeCounters() * 4).ok());
     CUDA_OK(cudaMemset(counters.get(), 0, counters.bytes()));
     kernels::cuda::LaunchList launches;
+    CUDA_OK(kernels::cuda::DescribeStepCopy(host_in.get(), in.get(), staging.input_bytes(), &launches));
     CUDA_OK(staging.Describe(in.get<char>(), out.get<char>(), scores.get<float>(), counters.get<int>(),
                              &launches));
+    CUDA_OK(kernels::cuda::DescribeStepCopy(out.get(), host_out.get(), staging.output_bytes(),
+                                            &launches));
 
     for (int rep = 0; rep < repeats; ++rep) {
+      CUDA_OK(cudaMemset(in.get(), 0xff, in.bytes()));          // the copy kernel must fill it
       CUDA_OK(cudaMemset(out.get(), 0x7f, out.bytes()));        // poison: 0x7f7f7f7f
+      std::memset(host_out.get(), 0x7f, out_bytes);
       CUDA_OK(cudaMemset(scores.get(), 0xff, scores.bytes()));  // NaN: unwritten scores show
       CUDA_OK(launches.Enqueue(nullptr));
       CUDA_OK(cudaDeviceSynchronize());
-      CUDA_OK(cudaMemcpy(host_out.data(), out.get(), host_out.size(), cudaMemcpyDeviceToHost));
-      staging.Scatter(host_out.data());
+      staging.Scatter(host_out.get<char>());
       if (c.values == Values::kIntegers && rep == 0) {
         ASSERT_NO_FATAL_FAILURE(CheckRawScores(c, staging.batch(), scores));
       }
@@ -589,6 +599,46 @@ TEST_F(GpuSelectTest, SanitizerSmall) {
     Run(c, Path::kAuto, 1);
     if (HasFatalFailure()) return;
   }
+}
+
+// The copy kernels of a step (kernels/cuda/step_copy.h): every byte of odd sizes (a tail shorter
+// than a 16-byte word, more words than one pass of the grid covers) from mapped pinned memory to
+// the device and back, nothing past the end touched; misaligned pointers refused.
+TEST_F(GpuSelectTest, StepCopiesMoveEveryByteAndNoMore) {
+  constexpr size_t kSlack = 64;
+  for (int64_t bytes : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{4099},
+                        int64_t{300001}, int64_t{2500007}}) {
+    SCOPED_TRACE("bytes " + std::to_string(bytes));
+    const size_t n = static_cast<size_t>(bytes);
+    engine::PinnedBuffer src, dst;
+    engine::DeviceBuffer dev;
+    ASSERT_TRUE(src.Allocate(n + kSlack).ok());
+    ASSERT_TRUE(dst.Allocate(n + kSlack).ok());
+    ASSERT_TRUE(dev.Allocate(n + kSlack).ok());
+    for (size_t i = 0; i < n + kSlack; ++i) src.get<unsigned char>()[i] = static_cast<unsigned char>(rng_());
+    std::memset(dst.get(), 0xa5, n + kSlack);
+    CUDA_OK(cudaMemset(dev.get(), 0x5a, n + kSlack));
+    kernels::cuda::LaunchList launches;
+    CUDA_OK(kernels::cuda::DescribeStepCopy(src.get(), dev.get(), bytes, &launches));
+    CUDA_OK(kernels::cuda::DescribeStepCopy(dev.get(), dst.get(), bytes, &launches));
+    ASSERT_EQ(launches.size, 2);
+    CUDA_OK(launches.Enqueue(nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_EQ(std::memcmp(src.get(), dst.get(), n), 0);
+    for (size_t i = n; i < n + kSlack; ++i) ASSERT_EQ(dst.get<unsigned char>()[i], 0xa5) << "byte " << i;
+    std::vector<unsigned char> tail(kSlack);
+    CUDA_OK(cudaMemcpy(tail.data(), dev.get<char>() + n, kSlack, cudaMemcpyDeviceToHost));
+    for (unsigned char b : tail) ASSERT_EQ(b, 0x5a);
+  }
+  engine::DeviceBuffer a, b;
+  ASSERT_TRUE(a.Allocate(64).ok());
+  ASSERT_TRUE(b.Allocate(64).ok());
+  kernels::cuda::LaunchList launches;
+  EXPECT_EQ(kernels::cuda::DescribeStepCopy(a.get<char>() + 8, b.get(), 16, &launches), cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::cuda::DescribeStepCopy(a.get(), b.get<char>() + 4, 16, &launches), cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::cuda::DescribeStepCopy(a.get(), b.get(), -1, &launches), cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::cuda::DescribeStepCopy(a.get(), b.get(), 0, &launches), cudaSuccess);
+  EXPECT_EQ(launches.size, 0);
 }
 
 }  // namespace

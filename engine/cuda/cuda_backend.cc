@@ -193,7 +193,7 @@ class CudaBackend final : public KeyCacheBackend {
   LanePool copy_lanes_;
 
   std::atomic<bool> abandoned_{false};
-  std::atomic<int64_t> selects_{0}, graph_launches_{0}, graph_builds_{0}, graph_node_updates_{0},
+  std::atomic<int64_t> steps_{0}, selects_{0}, graph_launches_{0}, graph_builds_{0}, graph_node_updates_{0},
       graph_fallbacks_{0}, buffer_growths_{0}, exact_reruns_{0};
 };
 
@@ -291,6 +291,7 @@ CudaBackendCounters CudaBackend::counters() const {
   CudaBackendCounters c;
   c.lanes = options_.lanes;
   c.peak_busy_lanes = lanes_.peak_busy();
+  c.steps = steps_.load();
   c.selects = selects_.load();
   c.graph_launches = graph_launches_.load();
   c.graph_builds = graph_builds_.load();
@@ -306,7 +307,8 @@ std::vector<BackendCounter> CudaBackend::Counters() const {
   return {
       {"lanes", "Selection lanes (streams with their own staging) of each device.", c.lanes, false},
       {"lanes_peak_busy", "The most selection lanes held at once.", c.peak_busy_lanes, false},
-      {"steps_total", "Steps that ran kernels.", c.selects},
+      {"steps_total", "Steps that ran kernels (key writes, selections or both).", c.steps},
+      {"select_steps_total", "Steps that ran kernels with selections.", c.selects},
       {"graph_launches_total", "Steps that reached the device as one CUDA graph launch.",
        c.graph_launches},
       {"graph_builds_total", "CUDA graphs instantiated (a step of a new kernel topology, or "
@@ -602,6 +604,7 @@ void CudaBackend::Finish(Lane& lane, absl::Status synced, StepTiming timing, abs
   const absl::Time seen = absl::Now();
   if (synced.ok()) {
     lane.staging.Scatter(lane.h_out.get<char>());
+    steps_.fetch_add(1, std::memory_order_relaxed);
     if (lane.staging.has_spans()) selects_.fetch_add(1, std::memory_order_relaxed);
     if (lane.staging.has_device_inputs()) synced = RecheckDevicePaths(lane);
   }

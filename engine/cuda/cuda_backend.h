@@ -78,8 +78,9 @@ absl::StatusOr<std::unique_ptr<KeyCacheBackend>> MakeCudaBackend(const EngineCon
 struct CudaBackendCounters {
   int lanes = 0;
   int peak_busy_lanes = 0;         // most lanes ever held at once (key-write lanes not counted)
-  int64_t selects = 0;             // Select calls that ran kernels
-  int64_t graph_launches = 0;      // ... of which as one graph launch
+  int64_t steps = 0;               // steps that ran kernels (key writes, selections or both)
+  int64_t selects = 0;             // ... of which with selections
+  int64_t graph_launches = 0;      // steps that reached the device as one graph launch
   int64_t graph_builds = 0;        // graphs instantiated
   int64_t graph_node_updates = 0;  // node parameter updates of cached graphs
   int64_t graph_fallbacks = 0;     // steps run without a graph after a graph build/update failed

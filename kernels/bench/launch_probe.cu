@@ -73,6 +73,22 @@ struct Buffers {
   int* flag = nullptr;  // mapped pinned host memory
 };
 
+// Adds AddOne then Twice after *prev (as roots when *prev is null); *prev becomes Twice.
+void AddTwoKernels(Buffers& b, cudaGraph_t g, cudaGraphNode_t* prev) {
+  void* add_args[] = {&b.d_in, &b.d_out, &b.n};
+  void* twice_args[] = {&b.d_out, &b.n};
+  cudaKernelNodeParams p{};
+  p.gridDim = dim3(kValues / 256);
+  p.blockDim = dim3(256);
+  p.func = reinterpret_cast<void*>(AddOne);
+  p.kernelParams = add_args;
+  cudaGraphNode_t add;
+  Check(cudaGraphAddKernelNode(&add, g, *prev ? prev : nullptr, *prev ? 1 : 0, &p), "kernel node");
+  p.func = reinterpret_cast<void*>(Twice);
+  p.kernelParams = twice_args;
+  Check(cudaGraphAddKernelNode(prev, g, &add, 1, &p), "kernel node");
+}
+
 void AddCopyNode(cudaGraph_t g, cudaGraphNode_t* prev, const void* src, void* dst, size_t bytes) {
   int n16 = static_cast<int>(bytes / 16);
   void* args[] = {&src, &dst, &n16};
@@ -94,22 +110,11 @@ cudaGraphExec_t BuildKernelCopyGraph(Buffers& b, size_t upload, int flag_value) 
   Check(cudaGraphCreate(&g, 0), "cudaGraphCreate");
   cudaGraphNode_t prev = nullptr;
   AddCopyNode(g, &prev, b.h_in, b.d_in, upload);
-  void* add_args[] = {&b.d_in, &b.d_out, &b.n};
-  void* twice_args[] = {&b.d_out, &b.n};
-  cudaKernelNodeParams p{};
-  p.gridDim = dim3(kValues / 256);
-  p.blockDim = dim3(256);
-  p.func = reinterpret_cast<void*>(AddOne);
-  p.kernelParams = add_args;
-  cudaGraphNode_t add, twice;
-  Check(cudaGraphAddKernelNode(&add, g, &prev, 1, &p), "kernel node");
-  p.func = reinterpret_cast<void*>(Twice);
-  p.kernelParams = twice_args;
-  Check(cudaGraphAddKernelNode(&twice, g, &add, 1, &p), "kernel node");
-  prev = twice;
+  AddTwoKernels(b, g, &prev);
   AddCopyNode(g, &prev, b.d_out, b.h_out, b.bytes);
   if (flag_value > 0) {
     void* flag_args[] = {&b.flag, &flag_value};
+    cudaKernelNodeParams p{};
     p.gridDim = dim3(1);
     p.blockDim = dim3(1);
     p.func = reinterpret_cast<void*>(RaiseFlag);
@@ -133,23 +138,10 @@ cudaGraphExec_t BuildGraph(Buffers& b, bool copies) {
                                    cudaMemcpyHostToDevice),
           "upload node");
   }
-  void* add_args[] = {&b.d_in, &b.d_out, &b.n};
-  void* twice_args[] = {&b.d_out, &b.n};
-  cudaKernelNodeParams p{};
-  p.gridDim = dim3(kValues / 256);
-  p.blockDim = dim3(256);
-  p.func = reinterpret_cast<void*>(AddOne);
-  p.kernelParams = add_args;
-  cudaGraphNode_t add;
-  Check(cudaGraphAddKernelNode(&add, g, prev == nullptr ? nullptr : &prev, prev ? 1 : 0, &p),
-        "kernel node");
-  p.func = reinterpret_cast<void*>(Twice);
-  p.kernelParams = twice_args;
-  cudaGraphNode_t twice;
-  Check(cudaGraphAddKernelNode(&twice, g, &add, 1, &p), "kernel node");
+  AddTwoKernels(b, g, &prev);
   if (copies) {
     cudaGraphNode_t down;
-    Check(cudaGraphAddMemcpyNode1D(&down, g, &twice, 1, b.h_out, b.d_out, b.bytes,
+    Check(cudaGraphAddMemcpyNode1D(&down, g, &prev, 1, b.h_out, b.d_out, b.bytes,
                                    cudaMemcpyDeviceToHost),
           "download node");
   }
@@ -176,6 +168,28 @@ void Time(const char* name, Launch launch, Wait wait) {
   }
   std::printf("%-46s launch p50 %6.2f us  wait p50 %6.2f us  total p50 %6.2f us\n", name,
               Median(launched), Median(waited), Median(total));
+}
+
+// Times launches of `graph` on `stream` whose end another thread waits for by
+// cudaStreamSynchronize, as a lane's completion thread does.
+void TimeWithWaiter(const char* name, cudaGraphExec_t graph, cudaStream_t stream) {
+  std::atomic<int> launched{0}, seen{0};
+  std::thread waiter([&] {
+    for (int i = 0; i < kRuns; ++i) {
+      while (launched.load() <= i) {
+      }
+      Check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      seen.store(i + 1);
+    }
+  });
+  Time(name, [&] {
+    cudaGraphLaunch(graph, stream);
+    launched.fetch_add(1);
+  }, [&] {
+    while (seen.load() < launched.load()) {
+    }
+  });
+  waiter.join();
 }
 
 }  // namespace
@@ -217,23 +231,7 @@ int main() {
   Time("four stream calls; poll", stream_calls, poll);
 
   // The whole graph, waited for by another thread (as a lane's completion thread waits).
-  std::atomic<int> launched{0}, seen{0};
-  std::thread waiter([&] {
-    for (int i = 0; i < kRuns; ++i) {
-      while (launched.load() <= i) {
-      }
-      sync();
-      seen.store(i + 1);
-    }
-  });
-  Time("graph; another thread syncs", [&] {
-    cudaGraphLaunch(whole, st);
-    launched.fetch_add(1);
-  }, [&] {
-    while (seen.load() < launched.load()) {
-    }
-  });
-  waiter.join();
+  TimeWithWaiter("graph; another thread syncs", whole, st);
 
   for (size_t kb : {16, 64, 128, 256, 512}) {
     char name[64];
@@ -266,24 +264,7 @@ int main() {
        sync);
   Time("graph: copy kernel, 2 kernels, copy kernel; poll", [&] { cudaGraphLaunch(kernel_copies, st); },
        poll);
-  launched = 0;
-  seen = 0;
-  std::thread copy_waiter([&] {
-    for (int i = 0; i < kRuns; ++i) {
-      while (launched.load() <= i) {
-      }
-      sync();
-      seen.store(i + 1);
-    }
-  });
-  Time("graph: kernel copies; another thread syncs", [&] {
-    cudaGraphLaunch(kernel_copies, st);
-    launched.fetch_add(1);
-  }, [&] {
-    while (seen.load() < launched.load()) {
-    }
-  });
-  copy_waiter.join();
+  TimeWithWaiter("graph: kernel copies; another thread syncs", kernel_copies, st);
   // Waited for on a flag the graph's last kernel raises in mapped memory: no driver call.
   {
     const cudaGraphExec_t flag_graph = BuildKernelCopyGraph(b, size_t{16} << 10, 1);

@@ -193,8 +193,8 @@ class CudaBackend final : public KeyCacheBackend {
   LanePool copy_lanes_;
 
   std::atomic<bool> abandoned_{false};
-  std::atomic<int64_t> steps_{0}, selects_{0}, graph_launches_{0}, graph_builds_{0}, graph_node_updates_{0},
-      graph_fallbacks_{0}, buffer_growths_{0}, exact_reruns_{0};
+  std::atomic<int64_t> steps_{0}, selects_{0}, graph_launches_{0}, graph_builds_{0},
+      graph_node_updates_{0}, graph_fallbacks_{0}, buffer_growths_{0}, exact_reruns_{0};
 };
 
 absl::Status CudaBackend::Init() {

@@ -260,10 +260,9 @@ int main() {
   // it, all in one graph.
   const cudaGraphExec_t kernel_copies = BuildKernelCopyGraph(b, size_t{16} << 10, 0);
   Check(cudaGraphUpload(kernel_copies, st), "cudaGraphUpload");
-  Time("graph: copy kernel, 2 kernels, copy kernel; sync", [&] { cudaGraphLaunch(kernel_copies, st); },
-       sync);
-  Time("graph: copy kernel, 2 kernels, copy kernel; poll", [&] { cudaGraphLaunch(kernel_copies, st); },
-       poll);
+  const auto launch_copies = [&] { cudaGraphLaunch(kernel_copies, st); };
+  Time("graph: copy kernel, 2 kernels, copy kernel; sync", launch_copies, sync);
+  Time("graph: copy kernel, 2 kernels, copy kernel; poll", launch_copies, poll);
   TimeWithWaiter("graph: kernel copies; another thread syncs", kernel_copies, st);
   // Waited for on a flag the graph's last kernel raises in mapped memory: no driver call.
   {
@@ -291,7 +290,8 @@ int main() {
   Check(cudaStreamSynchronize(st), "sync");
   for (int i = 0; i < kValues; ++i) {
     if (b.h_out[i] != 2 * (i + 1)) {
-      std::fprintf(stderr, "copy kernels: value %d is %d, expected %d\n", i, b.h_out[i], 2 * (i + 1));
+      std::fprintf(stderr, "copy kernels: value %d is %d, expected %d\n", i, b.h_out[i],
+                   2 * (i + 1));
       return 1;
     }
   }

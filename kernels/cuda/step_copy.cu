@@ -38,8 +38,8 @@ cudaError_t DescribeStepCopy(const void* src, void* dst, int64_t bytes, LaunchLi
   l->func = reinterpret_cast<const void*>(StepCopyKernel);
   l->grid = dim3(static_cast<unsigned>(std::min((words + kThreads - 1) / kThreads, kMaxBlocks)));
   l->block = dim3(kThreads);
-  const bool fit = l->AddArg(static_cast<const uint4*>(src)) && l->AddArg(static_cast<uint4*>(dst)) &&
-                   l->AddArg(bytes);
+  const bool fit = l->AddArg(static_cast<const uint4*>(src)) &&
+                   l->AddArg(static_cast<uint4*>(dst)) && l->AddArg(bytes);
   if (!fit) {
     --out->size;
     return cudaErrorInvalidValue;

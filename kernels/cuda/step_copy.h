@@ -2,8 +2,8 @@
 // staged inputs out of mapped pinned memory into device memory, another writes the outputs back
 // into it, as the first and last nodes of the step's graph. A step then reaches the GPU as one
 // graph launch and is waited for once, with no copy engine in it: a copy-engine transfer costs a
-// host call to enqueue and several microseconds more to complete than an SM reading the same few
-// kilobytes across PCIe (indexer-launch-probe measures both; docs/PERF.md).
+// host call to enqueue and takes longer to complete than SMs reading the same few kilobytes
+// across PCIe (indexer-launch-probe measures both; docs/PERF.md).
 //
 // Used by the CUDA backend (engine/cuda) for every step. Thread-safe as the launchers are.
 #pragma once

@@ -100,7 +100,8 @@ class GpuSelectTest : public GpuTest {
     ASSERT_TRUE(counters.Allocate(staging.DecodeCounters() * 4).ok());
     CUDA_OK(cudaMemset(counters.get(), 0, counters.bytes()));
     kernels::cuda::LaunchList launches;
-    CUDA_OK(kernels::cuda::DescribeStepCopy(host_in.get(), in.get(), staging.input_bytes(), &launches));
+    CUDA_OK(kernels::cuda::DescribeStepCopy(host_in.get(), in.get(), staging.input_bytes(),
+                                            &launches));
     CUDA_OK(staging.Describe(in.get<char>(), out.get<char>(), scores.get<float>(), counters.get<int>(),
                              &launches));
     CUDA_OK(kernels::cuda::DescribeStepCopy(out.get(), host_out.get(), staging.output_bytes(),
@@ -615,7 +616,8 @@ TEST_F(GpuSelectTest, StepCopiesMoveEveryByteAndNoMore) {
     ASSERT_TRUE(src.Allocate(n + kSlack).ok());
     ASSERT_TRUE(dst.Allocate(n + kSlack).ok());
     ASSERT_TRUE(dev.Allocate(n + kSlack).ok());
-    for (size_t i = 0; i < n + kSlack; ++i) src.get<unsigned char>()[i] = static_cast<unsigned char>(rng_());
+    unsigned char* s = src.get<unsigned char>();
+    for (size_t i = 0; i < n + kSlack; ++i) s[i] = static_cast<unsigned char>(rng_());
     std::memset(dst.get(), 0xa5, n + kSlack);
     CUDA_OK(cudaMemset(dev.get(), 0x5a, n + kSlack));
     kernels::cuda::LaunchList launches;
@@ -625,7 +627,8 @@ TEST_F(GpuSelectTest, StepCopiesMoveEveryByteAndNoMore) {
     CUDA_OK(launches.Enqueue(nullptr));
     CUDA_OK(cudaDeviceSynchronize());
     ASSERT_EQ(std::memcmp(src.get(), dst.get(), n), 0);
-    for (size_t i = n; i < n + kSlack; ++i) ASSERT_EQ(dst.get<unsigned char>()[i], 0xa5) << "byte " << i;
+    const unsigned char* d = dst.get<unsigned char>();
+    for (size_t i = n; i < n + kSlack; ++i) ASSERT_EQ(d[i], 0xa5) << "byte " << i;
     std::vector<unsigned char> tail(kSlack);
     CUDA_OK(cudaMemcpy(tail.data(), dev.get<char>() + n, kSlack, cudaMemcpyDeviceToHost));
     for (unsigned char b : tail) ASSERT_EQ(b, 0x5a);
@@ -634,10 +637,11 @@ TEST_F(GpuSelectTest, StepCopiesMoveEveryByteAndNoMore) {
   ASSERT_TRUE(a.Allocate(64).ok());
   ASSERT_TRUE(b.Allocate(64).ok());
   kernels::cuda::LaunchList launches;
-  EXPECT_EQ(kernels::cuda::DescribeStepCopy(a.get<char>() + 8, b.get(), 16, &launches), cudaErrorInvalidValue);
-  EXPECT_EQ(kernels::cuda::DescribeStepCopy(a.get(), b.get<char>() + 4, 16, &launches), cudaErrorInvalidValue);
-  EXPECT_EQ(kernels::cuda::DescribeStepCopy(a.get(), b.get(), -1, &launches), cudaErrorInvalidValue);
-  EXPECT_EQ(kernels::cuda::DescribeStepCopy(a.get(), b.get(), 0, &launches), cudaSuccess);
+  using kernels::cuda::DescribeStepCopy;
+  EXPECT_EQ(DescribeStepCopy(a.get<char>() + 8, b.get(), 16, &launches), cudaErrorInvalidValue);
+  EXPECT_EQ(DescribeStepCopy(a.get(), b.get<char>() + 4, 16, &launches), cudaErrorInvalidValue);
+  EXPECT_EQ(DescribeStepCopy(a.get(), b.get(), -1, &launches), cudaErrorInvalidValue);
+  EXPECT_EQ(DescribeStepCopy(a.get(), b.get(), 0, &launches), cudaSuccess);
   EXPECT_EQ(launches.size, 0);
 }
 

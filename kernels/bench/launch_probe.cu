@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/cuda/step_copy.h"
+
 namespace {
 
 constexpr int kValues = 4096;
@@ -32,14 +34,6 @@ __global__ void AddOne(const int* in, int* out, int n) {
 __global__ void Twice(int* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] *= 2;
-}
-
-// A copy by the SMs instead of the copy engine: 16 bytes per thread per pass. Either side may be
-// mapped pinned host memory.
-__global__ void CopyWords(const uint4* src, uint4* dst, int n16) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += gridDim.x * blockDim.x) {
-    dst[i] = src[i];
-  }
 }
 
 // Tells a host thread spinning on mapped memory that the kernels before it have ended.
@@ -89,13 +83,18 @@ void AddTwoKernels(Buffers& b, cudaGraph_t g, cudaGraphNode_t* prev) {
   Check(cudaGraphAddKernelNode(prev, g, &add, 1, &p), "kernel node");
 }
 
+// Adds the backend's copy kernel (kernels/cuda/step_copy.h) after *prev; *prev becomes it.
 void AddCopyNode(cudaGraph_t g, cudaGraphNode_t* prev, const void* src, void* dst, size_t bytes) {
-  int n16 = static_cast<int>(bytes / 16);
-  void* args[] = {&src, &dst, &n16};
+  indexer::kernels::cuda::LaunchList list;
+  Check(indexer::kernels::cuda::DescribeStepCopy(src, dst, static_cast<int64_t>(bytes), &list),
+        "DescribeStepCopy");
+  const indexer::kernels::cuda::KernelLaunch& l = list.items[0];
+  void* args[indexer::kernels::cuda::KernelLaunch::kMaxArgs];
+  l.ArgPointers(args);
   cudaKernelNodeParams p{};
-  p.gridDim = dim3(std::min(132 * 2, (n16 + 255) / 256));
-  p.blockDim = dim3(256);
-  p.func = reinterpret_cast<void*>(CopyWords);
+  p.gridDim = l.grid;
+  p.blockDim = l.block;
+  p.func = const_cast<void*>(l.func);
   p.kernelParams = args;
   cudaGraphNode_t node;
   Check(cudaGraphAddKernelNode(&node, g, *prev ? prev : nullptr, *prev ? 1 : 0, &p), "copy node");

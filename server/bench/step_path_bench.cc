@@ -9,6 +9,7 @@
 // and serializing an answer of the same shape, which is what the echo server does per call.
 //
 //   indexer-step-path-bench [--items=256] [--prefill=128] [--steps=3000] [--evict_bytes=0]
+//                           [--idle_us=0]
 //
 // Each step appends one key to every sequence and selects for it (the shape indexer-bench's
 // decode steps have), so sequences grow and open a block every 128 steps as in serving.
@@ -20,6 +21,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/support/byte_buffer.h>
@@ -46,6 +48,10 @@ ABSL_FLAG(int64_t, evict_bytes, 0,
           "Bytes of other memory written before each step and before its reference, as a server "
           "serving other calls does between one caller's steps; 0: every step runs from a warm "
           "cache");
+ABSL_FLAG(int32_t, idle_us, 0,
+          "Microseconds the thread sleeps before each step (and before its reference), as a "
+          "server's thread waits for one caller's next step: its core may slow down or sleep "
+          "meanwhile; 0: steps run back to back");
 
 namespace indexer::bench {
 namespace {
@@ -97,6 +103,7 @@ class AnswerSink final : public engine::OutputSink {
 struct Shape {
   int items, prefill, steps, warmup, head_dim, heads, topk;
   int64_t evict_bytes;
+  int idle_us;
 };
 
 // Memory written to push a step's working set out of the CPU caches.
@@ -189,10 +196,15 @@ struct Sample {
 double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 double Us(absl::Duration d) { return absl::ToDoubleMicroseconds(d); }
 
+void Idle(const Shape& s) {
+  if (s.idle_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(s.idle_us));
+}
+
 // One decode step through the host path; false (with a message printed) when it failed.
 bool Step(engine::Engine& engine, PhaseKeeper& keeper, const std::string& bytes, const Shape& s,
           CacheEvictor& evictor, Sample* out) {
   evictor.Evict();
+  Idle(s);
   const Clock::time_point t0 = Clock::now();
   server::StepRequestWire wire;
   const absl::Status read = server::ReadStepRequest(server::StepMessage::kBatch, bytes,
@@ -236,6 +248,7 @@ bool Step(engine::Engine& engine, PhaseKeeper& keeper, const std::string& bytes,
   answer.Write(&written);
   const Clock::time_point t3 = Clock::now();
   evictor.Evict();
+  Idle(s);
   const Clock::time_point t3e = Clock::now();
   const size_t echo_bytes = ProtobufEcho(bytes, s);
   const Clock::time_point t4 = Clock::now();
@@ -291,9 +304,9 @@ int Run(const Shape& s) {
     std::printf("  %-34s %9.1f us %8.0f ns/item\n", what, us, us * per_item);
   };
   std::printf("indexer-step-path-bench %s: %d items of %d key + %d x %d-value queries, topk %d, "
-              "%d steps (median per step), %lld bytes evicted before each\n",
+              "%d steps (median per step), %lld bytes evicted and %d us idle before each\n",
               flags::ProgramVersion(), s.items, 1, s.heads, s.head_dim, s.topk, s.steps,
-              static_cast<long long>(s.evict_bytes));
+              static_cast<long long>(s.evict_bytes), s.idle_us);
   const double read = median([](const Sample& x) { return x.read; });
   const double eng = median([](const Sample& x) { return x.engine; });
   const double answer = median([](const Sample& x) { return x.answer; });
@@ -346,12 +359,13 @@ int main(int argc, char** argv) {
   const indexer::bench::Shape shape{absl::GetFlag(FLAGS_items),    absl::GetFlag(FLAGS_prefill),
                                     absl::GetFlag(FLAGS_steps),    absl::GetFlag(FLAGS_warmup_steps),
                                     absl::GetFlag(FLAGS_head_dim), absl::GetFlag(FLAGS_heads),
-                                    absl::GetFlag(FLAGS_topk),     absl::GetFlag(FLAGS_evict_bytes)};
+                                    absl::GetFlag(FLAGS_topk),     absl::GetFlag(FLAGS_evict_bytes),
+                                    absl::GetFlag(FLAGS_idle_us)};
   if (shape.items < 1 || shape.prefill < 1 || shape.steps < 1 || shape.warmup < 0 ||
-      shape.heads < 1 || shape.topk < 1 || shape.evict_bytes < 0) {
+      shape.heads < 1 || shape.topk < 1 || shape.evict_bytes < 0 || shape.idle_us < 0) {
     return f::ReportUsageError("indexer-step-path-bench",
                                "--items, --prefill, --steps, --heads and --topk must be >= 1, "
-                               "--warmup_steps and --evict_bytes >= 0");
+                               "--warmup_steps, --evict_bytes and --idle_us >= 0");
   }
   return indexer::bench::Run(shape);
 }

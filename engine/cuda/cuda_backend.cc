@@ -156,7 +156,9 @@ class CudaBackend final : public KeyCacheBackend {
   // (on the completion thread, outputs scattered), this raises the layers' maxima and runs again,
   // on the exact path and before the step ends, every span that choice got wrong.
   absl::Status RecheckDevicePaths(Lane& lane);
-  void Finish(Lane& lane, absl::Status synced, StepTiming timing, absl::Time launched,
+  // On the completion thread: the step's outputs scattered, its lane released, `done` told.
+  // `timing` holds the queue and stage phases; `staged` is when staging ended.
+  void Finish(Lane& lane, absl::Status synced, StepTiming timing, absl::Time staged,
               StepDone done);
   // Writes the `n` global page ids at `ids` to `dst` as this pool's page indices; INTERNAL
   // (naming the id) at the first one outside the slot.
@@ -431,25 +433,26 @@ void CudaBackend::Run(const BackendStep& step, const kernels::PageTableParams& p
   Lane* lane = lanes_.Acquire();
   const absl::Time acquired = absl::Now();
   absl::Status status = EnterDevice();
-  bool enqueued = false;
   if (status.ok()) status = Stage(*lane, step, page_table);
   const absl::Time staged = absl::Now();
-  if (status.ok()) status = Enqueue(*lane, /*use_graphs=*/true, &enqueued);
-  const absl::Time launched = absl::Now();
   if (!status.ok()) {
-    // Wait even after a failed enqueue: copies already queued still read the staging buffers.
-    if (enqueued) (void)lane->Sync("step");
-    lanes_.Release(lane);
+    lanes_.Release(lane);  // Stage leaves nothing on the stream that reads the staging
     status = Latched(status);
     std::move(done)(StepStatus{status, status, {}});
     return;
   }
   // A wait for a lane is a wait in the queue; the batcher adds its own queue time.
-  const StepTiming timing{acquired - start, staged - acquired, launched - staged,
+  const StepTiming timing{acquired - start, staged - acquired, absl::ZeroDuration(),
                           absl::ZeroDuration(), absl::ZeroDuration()};
-  lane->Complete([this, lane, timing, launched, done = std::move(done)](absl::Status synced) mutable {
-    Finish(*lane, std::move(synced), timing, launched, std::move(done));
-  });
+  lane->Launch(
+      [this, lane](bool* enqueued) {
+        const absl::Status launched = Enqueue(*lane, /*use_graphs=*/true, enqueued);
+        lane->launched = absl::Now();
+        return launched;
+      },
+      [this, lane, timing, staged, done = std::move(done)](absl::Status synced) mutable {
+        Finish(*lane, std::move(synced), timing, staged, std::move(done));
+      });
 }
 
 absl::Status CudaBackend::Stage(Lane& lane, const BackendStep& step,
@@ -599,9 +602,10 @@ absl::Status CudaBackend::Enqueue(Lane& lane, bool use_graphs, bool* enqueued) {
   return CudaStatus(launches.Enqueue(st), "step launch");
 }
 
-void CudaBackend::Finish(Lane& lane, absl::Status synced, StepTiming timing, absl::Time launched,
+void CudaBackend::Finish(Lane& lane, absl::Status synced, StepTiming timing, absl::Time staged,
                          StepDone done) {
   const absl::Time seen = absl::Now();
+  const absl::Time launched = lane.launched;
   if (synced.ok()) {
     lane.staging.Scatter(lane.h_out.get<char>());
     steps_.fetch_add(1, std::memory_order_relaxed);
@@ -613,6 +617,7 @@ void CudaBackend::Finish(Lane& lane, absl::Status synced, StepTiming timing, abs
   status.writes = Latched(std::move(synced));
   status.selects = status.writes;
   status.timing = timing;
+  status.timing.launch = launched - staged;
   status.timing.device = seen - launched;
   status.timing.scatter = absl::Now() - seen;
   std::move(done)(std::move(status));

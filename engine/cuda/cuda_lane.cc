@@ -40,34 +40,55 @@ absl::Status Lane::Sync(const char* what) {
   return status;
 }
 
-void Lane::Complete(Finish finish) {
+void Lane::Launch(Start start, Finish finish) {
+  Pending step{std::move(start), std::move(finish), absl::OkStatus(), false};
+  // A finish that starts the lane's next step runs on the completion thread itself: it launches
+  // at once rather than after its own callbacks.
+  if (spinning_.load(std::memory_order_acquire) &&
+      std::this_thread::get_id() != completion_.get_id()) {
+    return Hand(std::move(step));
+  }
+  step.launch = std::move(step.start)(&step.enqueued);
+  step.start = nullptr;
+  Hand(std::move(step));
+}
+
+void Lane::Hand(Pending step) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    pending_ = std::move(finish);
+    pending_ = std::move(step);
     has_pending_.store(true, std::memory_order_release);
   }
   cv_.notify_one();
 }
 
 void Lane::CompletionLoop() {
-  // Synchronizing needs no current device, but a finish may launch the next step on this thread.
+  // The completion thread launches steps, and a finish may launch the next one here.
   (void)cudaSetDevice(device_);
   (void)cudaGetLastError();
   for (;;) {
     const auto spin_end = std::chrono::steady_clock::now() + kSpin;
+    spinning_.store(true, std::memory_order_release);
     while (!has_pending_.load(std::memory_order_acquire) &&
            std::chrono::steady_clock::now() < spin_end) {
     }
-    Finish finish;
+    spinning_.store(false, std::memory_order_release);
+    Pending step;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return stopping_ || has_pending_.load(std::memory_order_relaxed); });
       if (!has_pending_.load(std::memory_order_relaxed)) return;  // stopping, nothing pending
-      finish = std::move(pending_);
+      step = std::move(pending_);
       has_pending_.store(false, std::memory_order_relaxed);
     }
-    const absl::Status synced = Sync("step");
-    std::move(finish)(synced);
+    if (step.start) step.launch = std::move(step.start)(&step.enqueued);
+    absl::Status result = std::move(step.launch);
+    // Wait even after a failed enqueue: work already queued still reads the staging buffers.
+    if (step.enqueued) {
+      const absl::Status synced = Sync("step");
+      if (result.ok()) result = synced;
+    }
+    std::move(step.finish)(std::move(result));
   }
 }
 

@@ -2,10 +2,13 @@
 // pinned and device staging, score scratch, decode counters, graph cache and step staging, held
 // by one step (or one synchronous transfer) at a time; the pool hands lanes out.
 //
-// A lane also has a completion thread. A step staged and launched on the lane is handed to it
-// (Lane::Complete) and the launching thread returns at once; the completion thread waits for the
-// stream and runs the step's finish, which releases the lane. The thread spins for a moment
-// before it sleeps, so a lane in steady use sees its completion without a thread wake-up.
+// A lane also has a completion thread. A step staged on the lane is handed to it (Lane::Launch)
+// and the staging thread returns at once; the completion thread waits for the stream and runs
+// the step's finish, which releases the lane. The thread spins for a moment before it sleeps, so
+// a lane in steady use sees its next step without a thread wake-up; while it spins it also
+// launches the step itself: the thread that launches and waits on every step of its stream finds
+// the driver's launch path in its cache, where the thread that staged the request comes to it
+// cold. A sleeping completion thread is not woken to launch: the staging thread launches then.
 // Internal to engine/cuda.
 #pragma once
 
@@ -20,6 +23,7 @@
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "engine/cuda/cuda_errors.h"
 #include "engine/cuda/cuda_resources.h"
 #include "engine/cuda/select_graph.h"
@@ -29,8 +33,10 @@ namespace indexer::engine {
 
 class Lane {
  public:
-  // What the completion thread runs once the stream is idle, with the stream's status. It owns
-  // the lane until it releases it to its pool.
+  // Enqueues a step's work on the lane's stream; `*enqueued` says whether anything reached it.
+  using Start = absl::AnyInvocable<absl::Status(bool* enqueued) &&>;
+  // What the completion thread runs once the stream is idle: with the enqueue's failure, else
+  // the stream's status. It owns the lane until it releases it to its pool.
   using Finish = absl::AnyInvocable<void(absl::Status synced) &&>;
 
   // `device`: the CUDA device of the lane's stream, current on the completion thread.
@@ -55,10 +61,11 @@ class Lane {
   // (not after a sticky error: the device is lost, and the backend will not touch it again).
   absl::Status Sync(const char* what);
 
-  // Hands the work enqueued on the stream to the completion thread: it syncs the stream and runs
-  // `finish` with the result, on its own thread. The caller must hold the lane and hands it, by
-  // this call, to `finish`.
-  void Complete(Finish finish);
+  // Launches a staged step and hands it to the completion thread: `start` enqueues its work (on
+  // the completion thread while that one spins, else on the caller's), then the completion
+  // thread syncs the stream and runs `finish`. The caller must hold the lane and hands it, by this
+  // call, to `finish`. Work it enqueued on the stream before (staging) runs before the step's.
+  void Launch(Start start, Finish finish);
 
   CudaStream stream;
   PinnedBuffer h_in, h_out;
@@ -72,18 +79,30 @@ class Lane {
   kernels::PageTableParams page_table;
   std::vector<kernels::cuda::Bf16Range> query_ranges;
   std::vector<int> span_layers;
+  absl::Time launched;  // when the step's enqueue returned (set by its Start)
   uint64_t generation = 0;         // bumped whenever a buffer above is reallocated
   uint64_t graphs_generation = 0;  // the generation the cached graphs were built on
   int graph_failures = 0;
 
  private:
+  // A step handed to the completion thread: still to launch (`start` set), or launched by its
+  // caller with `launch` its enqueue's status.
+  struct Pending {
+    Start start;
+    Finish finish;
+    absl::Status launch;
+    bool enqueued = false;
+  };
+
+  void Hand(Pending step);
   void CompletionLoop();
 
   const int device_;
   std::mutex mu_;
   std::condition_variable cv_;
-  Finish pending_;                     // guarded by mu_
+  Pending pending_;                    // guarded by mu_
   std::atomic<bool> has_pending_{false};
+  std::atomic<bool> spinning_{false};  // the completion thread polls for a step
   bool stopping_ = false;              // guarded by mu_
   std::thread completion_;
 };

@@ -315,6 +315,7 @@ int Run(const Shape& s) {
   row("read (ReadStepRequest)", read);
   row("engine (no selections computed)", eng);
   row("  validate", median([](const Sample& x) { return Us(x.phases.validate); }));
+  row("  wave", median([](const Sample& x) { return Us(x.phases.wave); }));
   row("  lock", median([](const Sample& x) { return Us(x.phases.lock); }));
   row("  apply", median([](const Sample& x) { return Us(x.phases.apply); }));
   row("  complete", median([](const Sample& x) { return Us(x.phases.complete); }));

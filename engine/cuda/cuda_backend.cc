@@ -6,12 +6,14 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
@@ -83,7 +85,8 @@ class CudaBackend final : public KeyCacheBackend {
     return place == slot_.ordinal || place == kMappedHostTensor;
   }
   int MaxConcurrentSteps() const override { return options_.lanes; }
-  // A step: staged and launched on the calling thread, finished on its lane's completion thread.
+  // A step: staged on the calling thread, launched there or by its lane's completion thread
+  // (Lane::Launch), finished on the completion thread.
   void Run(const BackendStep& step, const kernels::PageTableParams& page_table,
            StepDone done) override;
   // The synchronous calls below run through Guarded: they fail fast once the device has failed,
@@ -144,12 +147,14 @@ class CudaBackend final : public KeyCacheBackend {
   }
   absl::Status CopyPageOnDevice(int32_t src, int32_t dst);
   absl::Status WritePagesOnDevice(std::span<const int32_t> pages, const uint8_t* src);
-  // Run's parts: stage the step into the lane's buffers and enqueue it (on failure nothing is
-  // left running on the lane's stream that reads the staging, except as the status says), then,
-  // on the completion thread, scatter the outputs and end the step.
+  // Run's parts: stage the step into the lane's buffers; enqueue it (on failure nothing is left
+  // running on the lane's stream that reads the staging, except as the status says), on either
+  // thread Lane::Launch picks; then, on the completion thread, scatter the outputs and end the step.
   absl::Status Stage(Lane& lane, const BackendStep& step, const kernels::PageTableParams& page_table);
   // Stage's second half: lays out lane.spans and `writes` in the lane's buffers.
   absl::Status Place(Lane& lane, std::span<const KeyWrite> writes);
+  // A step's launch on whichever thread runs it: this device made current, then Enqueue.
+  absl::Status LaunchOnThisThread(Lane& lane, bool* enqueued);
   absl::Status Enqueue(Lane& lane, bool use_graphs, bool* enqueued);
   // Device inputs are planned before their values are known: as if every device query fit f16
   // and the step's device keys raised no layer's maximum. Once the step's copy has scanned them
@@ -446,7 +451,7 @@ void CudaBackend::Run(const BackendStep& step, const kernels::PageTableParams& p
                           absl::ZeroDuration(), absl::ZeroDuration()};
   lane->Launch(
       [this, lane](bool* enqueued) {
-        const absl::Status launched = Enqueue(*lane, /*use_graphs=*/true, enqueued);
+        absl::Status launched = LaunchOnThisThread(*lane, enqueued);
         lane->launched = absl::Now();
         return launched;
       },
@@ -526,6 +531,7 @@ absl::Status CudaBackend::Place(Lane& lane, std::span<const KeyWrite> writes) {
 }
 
 absl::Status CudaBackend::RecheckDevicePaths(Lane& lane) {
+  INDEXER_RETURN_IF_ERROR(EnterDevice());  // on the completion thread: see LaunchOnThisThread
   const kernels::cuda::StepStaging& staging = lane.staging;
   const char* host_out = lane.h_out.get<char>();
   for (size_t i = 0; i < lane.staged_writes.size(); ++i) {
@@ -565,6 +571,18 @@ absl::Status CudaBackend::RecheckDevicePaths(Lane& lane) {
   }
   if (status.ok()) lane.staging.Scatter(lane.h_out.get<char>());
   return status;
+}
+
+absl::Status CudaBackend::LaunchOnThisThread(Lane& lane, bool* enqueued) {
+  // The completion thread runs other devices' callbacks too, which may leave their device
+  // current; graphs and launches need this backend's.
+  INDEXER_RETURN_IF_ERROR(EnterDevice());
+  try {
+    return Enqueue(lane, /*use_graphs=*/true, enqueued);
+  } catch (const std::exception& e) {
+    // Caching a graph allocates; nothing escapes onto the completion thread.
+    return absl::InternalError(absl::StrCat("the step's launch failed: ", e.what()));
+  }
 }
 
 absl::Status CudaBackend::Enqueue(Lane& lane, bool use_graphs, bool* enqueued) {

@@ -54,11 +54,11 @@ void Lane::Launch(Start start, Finish finish) {
 }
 
 void Lane::Hand(Pending step) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    pending_ = std::move(step);
-    has_pending_.store(true, std::memory_order_release);
-  }
+  // Notified under the lock: once the step is taken its finish may release the lane, and the
+  // lane may be destroyed, before a notify made after unlocking would run.
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_ = std::move(step);
+  has_pending_.store(true, std::memory_order_release);
   cv_.notify_one();
 }
 

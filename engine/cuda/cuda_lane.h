@@ -8,7 +8,7 @@
 // a lane in steady use sees its next step without a thread wake-up; while it spins it also
 // launches the step itself: the thread that launches and waits on every step of its stream finds
 // the driver's launch path in its cache, where the thread that staged the request comes to it
-// cold. A sleeping completion thread is not woken to launch: the staging thread launches then.
+// cold. A caller that finds the completion thread not spinning launches the step itself.
 // Internal to engine/cuda.
 #pragma once
 
@@ -62,7 +62,8 @@ class Lane {
   absl::Status Sync(const char* what);
 
   // Launches a staged step and hands it to the completion thread: `start` enqueues its work (on
-  // the completion thread while that one spins, else on the caller's), then the completion
+  // the completion thread while that one spins, else on the caller's; it must make its device
+  // current, as a finish may leave another one current there), then the completion
   // thread syncs the stream and runs `finish`. The caller must hold the lane and hands it, by this
   // call, to `finish`. Work it enqueued on the stream before (staging) runs before the step's.
   void Launch(Start start, Finish finish);

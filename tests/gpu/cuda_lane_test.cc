@@ -2,12 +2,13 @@
 //  - while the completion thread spins for work, it runs the step's start itself;
 //  - once it sleeps, the caller runs the start, and the completion thread still finishes;
 //  - a finish that launches the lane's next step runs that start at once, on its own thread;
-//  - a start that fails hands its status to the finish, with nothing to wait for;
+//  - a start that fails hands its status to the finish, after what it enqueued has run;
 //  - a finish runs only once the stream has done the step's work.
 // Skips (with a message) where no GPU is usable.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <future>
 #include <memory>
@@ -106,48 +107,61 @@ TEST_F(CudaLaneTest, TheCallerLaunchesWhenTheCompletionThreadSleeps) {
   EXPECT_TRUE(by_caller) << "a sleeping completion thread was woken to launch";
 }
 
-TEST_F(CudaLaneTest, AFinishThatLaunchesTheNextStepStartsItOnItsOwnThread) {
-  // The first finish's thread and the second start's.
-  auto done = std::make_shared<std::promise<std::pair<std::thread::id, std::thread::id>>>();
-  auto threads = done->get_future();
+TEST_F(CudaLaneTest, AFinishThatLaunchesTheNextStepStartsItAtOnce) {
+  // The next step's start runs inside the finish that launches it, not after that finish
+  // returns (its callbacks may take long; the device would idle meanwhile).
+  struct Seen {
+    std::thread::id finishing, started;
+    bool finish_returned = false;  // when the start ran
+  };
+  auto done = std::make_shared<std::promise<Seen>>();
+  auto seen = done->get_future();
+  auto returned = std::make_shared<std::atomic<bool>>(false);
   Lane* lane = lane_.get();
   lane->Launch(
       [](bool* enqueued) {
         *enqueued = false;
         return absl::OkStatus();
       },
-      [lane, done](absl::Status) {
+      [lane, done, returned](absl::Status) {
         const std::thread::id finishing = std::this_thread::get_id();
         lane->Launch(
-            [lane, finishing, done](bool* enqueued) {
-              done->set_value({finishing, std::this_thread::get_id()});
+            [lane, finishing, done, returned](bool* enqueued) {
+              done->set_value({finishing, std::this_thread::get_id(), returned->load()});
               *enqueued = true;
               return cudaMemsetAsync(lane->d_in.get(), 0, 4096, lane->stream.get()) == cudaSuccess
                          ? absl::OkStatus()
                          : absl::InternalError("cudaMemsetAsync");
             },
             [](absl::Status) {});
+        returned->store(true);
       });
-  const auto [finishing, started] = threads.get();
-  EXPECT_EQ(started, finishing);
-  EXPECT_TRUE(lane->Sync("test").ok());
+  const Seen s = seen.get();
+  EXPECT_EQ(s.started, s.finishing);
+  EXPECT_FALSE(s.finish_returned) << "the next step started only after the finish returned";
 }
 
 TEST_F(CudaLaneTest, AFailedStartReachesTheFinish) {
   for (bool enqueued_some : {false, true}) {
     auto done = std::make_shared<std::promise<absl::Status>>();
     std::future<absl::Status> finished = done->get_future();
+    auto idle = std::make_shared<cudaError_t>(cudaErrorNotReady);  // cudaStreamQuery in the finish
     Lane* lane = lane_.get();
     lane->Launch(
         [lane, enqueued_some](bool* enqueued) {
           *enqueued = enqueued_some;
-          if (enqueued_some) (void)cudaMemsetAsync(lane->d_in.get(), 0, 4096, lane->stream.get());
+          if (enqueued_some) (void)cudaMemsetAsync(lane->d_in.get(), 0, kBytes, lane->stream.get());
           return absl::InternalError("refused by the test");
         },
-        [done](absl::Status synced) { done->set_value(std::move(synced)); });
+        [lane, done, idle](absl::Status synced) {
+          *idle = cudaStreamQuery(lane->stream.get());
+          done->set_value(std::move(synced));
+        });
     const absl::Status status = finished.get();
     EXPECT_EQ(status.code(), absl::StatusCode::kInternal) << enqueued_some;
     EXPECT_EQ(status.message(), "refused by the test");
+    // What a failed start did enqueue still reads the staging: the finish runs after it.
+    EXPECT_EQ(*idle, cudaSuccess) << enqueued_some;
   }
 }
 

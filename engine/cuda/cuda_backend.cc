@@ -147,9 +147,10 @@ class CudaBackend final : public KeyCacheBackend {
   }
   absl::Status CopyPageOnDevice(int32_t src, int32_t dst);
   absl::Status WritePagesOnDevice(std::span<const int32_t> pages, const uint8_t* src);
-  // Run's parts: stage the step into the lane's buffers; enqueue it (on failure nothing is left
-  // running on the lane's stream that reads the staging, except as the status says), on either
-  // thread Lane::Launch picks; then, on the completion thread, scatter the outputs and end the step.
+  // Run's parts: stage the step into the lane's buffers; enqueue it, on whichever thread
+  // Lane::Launch picks (on failure nothing is left running on the lane's stream that reads the
+  // staging, except as the status says); then, on the completion thread, scatter the outputs and
+  // end the step.
   absl::Status Stage(Lane& lane, const BackendStep& step, const kernels::PageTableParams& page_table);
   // Stage's second half: lays out lane.spans and `writes` in the lane's buffers.
   absl::Status Place(Lane& lane, std::span<const KeyWrite> writes);

@@ -9,9 +9,10 @@
 // thread and launched as one graph -- a copy kernel that reads the staging, the append kernel,
 // the selectors, a copy kernel that writes the results back -- by the lane's completion thread
 // while that one spins for work (else by the calling thread), and finishes on the completion
-// thread, which scatters the results and calls back: no caller's thread waits for the GPU. The synchronous calls (WriteKeys, Select, CopyPage,
-// ReadPages, WritePages) take a lane too and return once their work on the device is complete,
-// so what one call wrote is visible to any later call, whatever lane it takes. Every call makes
+// thread, which scatters the results and calls back: no caller's thread waits for the GPU. The
+// synchronous calls (WriteKeys, Select, CopyPage, ReadPages, WritePages) take a lane too and
+// return once their work on the device is complete, so what one call wrote is visible to any
+// later call, whatever lane it takes. Every call makes
 // the backend's device current on the calling thread once it holds its lane (it does not restore
 // the previous device: callers mixing devices set theirs before each CUDA call).
 //

@@ -42,12 +42,9 @@ absl::Status Lane::Sync(const char* what) {
 
 void Lane::Launch(Start start, Finish finish) {
   Pending step{std::move(start), std::move(finish), absl::OkStatus(), false};
-  // A finish that starts the lane's next step runs on the completion thread itself: it launches
-  // at once rather than after its own callbacks.
-  if (spinning_.load(std::memory_order_acquire) &&
-      std::this_thread::get_id() != completion_.get_id()) {
-    return Hand(std::move(step));
-  }
+  // The completion thread does not spin while it runs a finish: a finish that starts the lane's
+  // next step launches it at once below, rather than after its own callbacks.
+  if (spinning_.load(std::memory_order_acquire)) return Hand(std::move(step));
   step.launch = std::move(step.start)(&step.enqueued);
   step.start = nullptr;
   Hand(std::move(step));

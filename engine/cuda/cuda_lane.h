@@ -39,7 +39,8 @@ class Lane {
   // the stream's status. It owns the lane until it releases it to its pool.
   using Finish = absl::AnyInvocable<void(absl::Status synced) &&>;
 
-  // `device`: the CUDA device of the lane's stream, current on the completion thread.
+  // `device`: the CUDA device of the lane's stream, made current on the completion thread when
+  // it starts (a finish may make another current there later).
   Lane(int device, int graphs_capacity);
   ~Lane();  // stops and joins the completion thread (no step may be pending)
   Lane(const Lane&) = delete;

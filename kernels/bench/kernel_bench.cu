@@ -184,7 +184,7 @@ struct Workload {
   int* counters = nullptr;
 
   Workload(const std::vector<int64_t>& lens, const std::vector<int64_t>& span_starts, int n, int h,
-           KeyStorage st, kc::SpanPath path, int num_sms, int max_chunk, std::mt19937_64& rng)
+           KeyStorage st, kc::SpanPath path, int num_sms, kc::DecodeTuning tuning, std::mt19937_64& rng)
       : starts(span_starts) {
     std::vector<int64_t> nb(lens.size());
     for (size_t i = 0; i < lens.size(); ++i) nb[i] = (lens[i] + 127) / 128;
@@ -231,7 +231,7 @@ struct Workload {
     std::vector<char> host_in(staging.input_bytes());
     CHECK_CUDA(cudaMalloc(&in, std::max<size_t>(host_in.size(), 16)));
     CHECK_CUDA(cudaMalloc(&out, std::max<int64_t>(staging.output_bytes(), 16)));
-    if (staging.WriteInputs(host_in.data(), in, out, kc::PageRange{0, pages}, {}, num_sms, max_chunk)) {
+    if (staging.WriteInputs(host_in.data(), in, out, kc::PageRange{0, pages}, {}, num_sms, tuning)) {
       std::fprintf(stderr, "bench: a block table names a page outside the pool\n");
       std::exit(1);
     }
@@ -318,6 +318,7 @@ int main_impl(int argc, char** argv) {
   double peak = 4.8;
   int reps = 200;
   int max_chunk = 0;  // 0: DecodeChunkBlocks, as the server
+  int decode_warps = 0;  // 0: DecodeWarpsPerBlock, as the server
   bool flush = true;
   bool flush_read = false;
   bool timeline = false;
@@ -338,6 +339,9 @@ int main_impl(int argc, char** argv) {
           "  --reps=N                      timed runs per case (default 200)\n"
           "  --max-chunk=N                 decode: most blocks per CTA (default: 512 KB of keys, as\n"
           "                                the server)\n"
+          "  --decode-warps=2|8            decode: warps that score one block together (default as the\n"
+          "                                server: 8, or 2 for fp4 units of 4 blocks or more); only fp4\n"
+          "                                has 2, other storages keep the default\n"
           "  --flush=0|1|read              flush L2 before every timed and timeline run: 1 a 256 MB memset\n"
           "                                (the default, as the seed's do_bench), read a 256 MB read\n"
           "  --peak-tbps=X                 memory bandwidth for the floor (default 4.8)\n"
@@ -355,6 +359,12 @@ int main_impl(int argc, char** argv) {
       flush_read = val("--flush") == "read";
     } else if (!val("--max-chunk").empty()) {
       max_chunk = std::max(1, std::atoi(val("--max-chunk").c_str()));
+    } else if (!val("--decode-warps").empty()) {
+      decode_warps = std::atoi(val("--decode-warps").c_str());
+      if (decode_warps != 2 && decode_warps != 8) {
+        std::fprintf(stderr, "bad --decode-warps %s (want 2 or 8)\n", val("--decode-warps").c_str());
+        return 2;
+      }
     } else if (a == "--timeline") {
       timeline = true;
     } else if (!val("--peak-tbps").empty()) {
@@ -402,8 +412,9 @@ int main_impl(int argc, char** argv) {
         const std::vector<int64_t> lens = Lengths(c);
         std::vector<int64_t> starts(lens.size());
         for (size_t i = 0; i < lens.size(); ++i) starts[i] = std::max<int64_t>(0, lens[i] - c.q);
-        Workload w(lens, starts, c.q, c.h, st, kc::SpanPath::kDecode, prop.multiProcessorCount,
-                   max_chunk, rng);
+        // --decode-warps where this storage has that variant; the planner's choice elsewhere.
+        const kc::DecodeTuning tuning{max_chunk, kc::DecodeWarpsSupported(st, decode_warps) ? decode_warps : 0};
+        Workload w(lens, starts, c.q, c.h, st, kc::SpanPath::kDecode, prop.multiProcessorCount, tuning, rng);
         const kc::DecodePlan& plan = w.decode_plan();
         const auto launch = [&] {
           CHECK_CUDA(kc::LaunchDecodeSelect(w.d_descs(), w.d_index(), w.num_spans(), plan, st, kD, pt,
@@ -430,15 +441,15 @@ int main_impl(int argc, char** argv) {
         std::printf(
             "{\"kind\": \"decode\", \"storage\": \"%s\", \"B\": %d, \"L\": %lld, \"H\": %d, \"Q\": %d, "
             "\"dist\": \"%s\", \"key_bytes\": %.0f, \"floor_us\": %.2f, \"graph_us\": %.2f, "
-            "\"eager_us\": %.2f, \"TBps\": %.3f, \"share_of_peak\": %.3f}\n",
+            "\"eager_us\": %.2f, \"TBps\": %.3f, \"share_of_peak\": %.3f, \"warps_per_block\": %d}\n",
             sname, c.b, static_cast<long long>(c.l), c.h, c.q, c.dist.c_str(), bytes, floor_us, replay,
-            eager, tbps, floor_us / replay);
+            eager, tbps, floor_us / replay, plan.warps_per_block);
         std::fflush(stdout);
         char line[256];
         std::snprintf(line, sizeof(line),
-                      "decode  %-4s B=%-4d L=%-7lld H=%d Q=%d %-7s %9.2f us (eager %9.2f)  %5.2f TB/s  %5.1f%% of %.1f",
+                      "decode  %-4s B=%-4d L=%-7lld H=%d Q=%d %-7s %9.2f us (eager %9.2f)  %5.2f TB/s  %5.1f%% of %.1f  w%d",
                       sname, c.b, static_cast<long long>(c.l), c.h, c.q, c.dist.c_str(), replay, eager, tbps,
-                      100 * floor_us / replay, peak);
+                      100 * floor_us / replay, peak, plan.warps_per_block);
         table.push_back(line);
         if (!timeline_line.empty()) table.push_back(timeline_line);
       }
@@ -450,7 +461,7 @@ int main_impl(int argc, char** argv) {
         const int64_t l = c.prefix + c.chunk;
         std::vector<int64_t> lens(c.b, l), starts(c.b, c.prefix);
         Workload w(lens, starts, static_cast<int>(c.chunk), c.h, st, kc::SpanPath::kPrefill,
-                   prop.multiProcessorCount, 0, rng);
+                   prop.multiProcessorCount, kc::DecodeTuning{}, rng);
         const kc::PrefillPlan& plan = w.prefill_plan();
         const auto launch = [&] {
           CHECK_CUDA(kc::LaunchPrefillSelect(w.d_descs(), w.num_spans(), plan, st, kD, pt, w.scores, stream));

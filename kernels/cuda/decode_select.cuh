@@ -6,12 +6,16 @@
 // span through the decode index (span_desc.h), then loads the unit's page ids and the span's
 // descriptor together: two round trips before the first copy. The CTA streams its
 // blocks' key pages into a ring of shared-memory stages with cp.async (each warp instruction
-// copies 512 contiguous bytes; kStages pages, 64 to 96 KB, in flight per CTA: docs/PERF.md has
-// the streaming probe that chose this over register loads and bulk copies). Warp w scores
-// tokens [16w, 16w + 16) of each staged block: those 16 key rows are the A operand of
-// mma.m16n8k16, read with ldmatrix from an XOR-swizzled layout (no bank conflicts); the span's
-// rows (token, head) are the B operand, 8 per n-tile, held in registers for the whole CTA.
-// Per-warp block maxima meet in shared memory and the block's scores are written one step later.
+// copies 512 contiguous bytes; 64 to 150 KB of pages per CTA: docs/PERF.md has the streaming
+// probe that chose this over register loads and bulk copies). The CTA scores its blocks in
+// rounds of 8 / WPB blocks, one barrier per round: WPB warps share a block, each scoring
+// 128 / WPB of its tokens as tiles of 16 (the A operand of mma.m16n8k16, read with ldmatrix from
+// an XOR-swizzled layout, free of bank conflicts); the span's rows (token, head) are the B
+// operand, 8 per n-tile, held in registers for the whole CTA. A block's warps meet in shared
+// memory and its scores are written one round later. Fewer warps per block spread the
+// per-block work (barrier, reductions, score writes) over more tokens, which pays where decoding
+// the keys costs more instructions than streaming them (fp4); eight suit short units
+// (DecodeWarpsPerBlock).
 //
 // fp8 keys are read as 16-bit pairs by ldmatrix and converted to f16 (one exact instruction per
 // pair), so their dot product's dimensions are permuted, identically for keys and queries, which
@@ -129,15 +133,13 @@ struct DecodeShape {
   static constexpr int kScaleChunks = kScaleBytes / 16;
   static constexpr int kPageBytes = kRowsBytes + kScaleBytes;
   static_assert(kPageBytes == PageBytes(S, D), "the pool's page layout (numeric.h)");
-  // Pages in flight per CTA (docs/PERF.md): three 32 KB (or larger) pages, two CTAs per
-  // multiprocessor; smaller pages four or more, 64 KB in all (six 16 KB stages streamed slower
-  // than four on the H200).
-  static constexpr int kStages =
+  // Pages staged per CTA with eight warps per block (docs/PERF.md): three 32 KB (or larger)
+  // pages, two CTAs per multiprocessor; smaller pages four or more, 64 KB in all (six 16 KB
+  // stages streamed slower than four on the H200).
+  static constexpr int kBaseStages =
       kPageBytes >= 32768
           ? 3
           : (65536 / kPageBytes > 16 ? 16 : (65536 / kPageBytes < 4 ? 4 : 65536 / kPageBytes));
-  static constexpr int kStageBytes = kStages * kPageBytes;
-  static_assert(kStageBytes >= kRegisterTopKSmemBytes, "the register top-k's buffers fit the stages");
   static_assert(kRowsBytes % (kDecodeWarps * 32 * 16) == 0, "whole copy rounds");
   static_assert(kScaleChunks <= kDecodeWarps * 32, "one scale chunk per thread at most");
   static_assert(kPageBytes % 16 == 0, "pages stay 16-byte aligned");
@@ -168,13 +170,33 @@ struct DecodeShape {
   }
 };
 
-// Two CTAs per multiprocessor where registers allow.
-template <int D, KeyStorage S, int NT>
-__global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 : 2)
+// The stage ring of a decode CTA whose blocks take WPB warps each: whole rounds of
+// kRoundBlocks pages (one per block a round scores). While a round is scored the next rounds
+// stream in: at least as many pages as kBaseStages keeps in flight with eight warps per block.
+template <int D, KeyStorage S, int WPB>
+struct DecodeRing {
+  static_assert(WPB == 2 || WPB == 4 || WPB == 8, "warps per block: a divisor of the CTA's 8, more than one");
+  using Shape = DecodeShape<D, S>;
+  static constexpr int kRoundBlocks = kDecodeWarps / WPB;
+  static constexpr int kWarpTiles = (kBlockSize / 16) / WPB;  // 16-token tiles per warp per block
+  static constexpr int kRounds = 1 + (Shape::kBaseStages - 2 + kRoundBlocks) / kRoundBlocks;
+  static constexpr int kRoundBytes = kRoundBlocks * Shape::kPageBytes;
+  static constexpr int kStageBytes = kRounds * kRoundBytes;
+  static_assert(kStageBytes >= kRegisterTopKSmemBytes, "the register top-k's buffers fit the stages");
+  // Two CTAs per multiprocessor where shared memory allows (228 KB per multiprocessor).
+  static constexpr int kMinCtas = kStageBytes > 112 * 1024 ? 1 : 2;
+};
+
+// WPB warps per block (DecodeRing); two CTAs per multiprocessor where registers and shared
+// memory allow.
+template <int D, KeyStorage S, int NT, int WPB>
+__global__ void __launch_bounds__(kDecodeWarps * 32,
+                                  (NT >= 4 || D == 256 || DecodeRing<D, S, WPB>::kMinCtas == 1) ? 1 : 2)
     DecodeSelectKernel(const DecodeParams p) {
   using Shape = DecodeShape<D, S>;
+  using Ring = DecodeRing<D, S, WPB>;
   constexpr int kSteps = D / 16;
-  constexpr int kStages = Shape::kStages;
+  constexpr int kRound = Ring::kRoundBlocks;
   // 128-byte aligned: with the static variables below the dynamic block can start 16 bytes in,
   // and a cp.async whose 32-byte sector lands across two shared sectors fetches it twice, which
   // doubles the L2 traffic and makes the L2 the bottleneck.
@@ -189,7 +211,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   // The unit's page ids, fetched by warp 0 in the same round trip as the span's descriptor: every
   // load is issued before any store waits for one (a store right after its load would hold the
   // next load back a round trip).
-  int32_t* pages = reinterpret_cast<int32_t*>(smem + Shape::kStageBytes);
+  int32_t* pages = reinterpret_cast<int32_t*>(smem + Ring::kStageBytes);
   if (warp == 0) {
     const DecodeUnitSpan u = FindDecodeSpan(p.index, p.num_spans, blockIdx.x);
     const int first = (blockIdx.x - u.unit_begin) * p.chunk_blocks;
@@ -225,39 +247,44 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
   const char* key_pool = static_cast<const char*>(s.keys);
   const uint16_t* queries = s.queries;
 
-  // Stage ring: block b sits in stage (b - b_begin) % kStages. Every thread copies the chunks
-  // threadIdx.x + 256 i of a page, so a warp instruction reads 512 contiguous bytes. Chunk
-  // threadIdx.x + 256 i lands where chunk threadIdx.x does, one copy round (4 KB) per i further
-  // (256 chunks are whole swizzle periods of 8 rows), so the swizzle is computed once: per page, a
-  // thread computes one source and one destination address (recomputing every chunk's address
-  // per page would cost tens of instructions per page, and the integer pipe is the busiest).
-  constexpr int kRoundBytes = kDecodeWarps * 32 * 16;  // one 16-byte copy per thread
-  constexpr int kCopies = Shape::kRowsBytes / kRoundBytes;
+  // Stage ring: round r's blocks (b_begin + r kRound + j, j < kRound) sit in its set of pages,
+  // r % kRounds, page j. Every thread copies the chunks threadIdx.x + 256 i of a page, so a warp
+  // instruction reads 512 contiguous bytes. Chunk threadIdx.x + 256 i lands where chunk
+  // threadIdx.x does, one copy round (4 KB) per i further (256 chunks are whole swizzle periods
+  // of 8 rows), so the swizzle is computed once: per page, a thread computes one source and one
+  // destination address (recomputing every chunk's address per page would cost tens of
+  // instructions per page, and the integer pipe is the busiest).
+  constexpr int kCopyBytes = kDecodeWarps * 32 * 16;  // one 16-byte copy per thread
+  constexpr int kCopies = Shape::kRowsBytes / kCopyBytes;
   static_assert((kDecodeWarps * 32 / Shape::kRowChunks) % 8 == 0, "256 chunks span whole swizzle periods");
   const int copy_dst = Shape::Chunk(threadIdx.x / Shape::kRowChunks, threadIdx.x % Shape::kRowChunks) * 16;
-  // Byte offsets of the stages that the next issue fills and the next block reads, stepped
-  // around the ring (a modulo by kStages, often 7, costs several instructions per block).
-  const auto next_stage = [](int offset) {
-    return offset + Shape::kPageBytes == Shape::kStageBytes ? 0 : offset + Shape::kPageBytes;
+  // Byte offsets of the sets that the next issue fills and the next round reads, stepped around
+  // the ring (a modulo by the number of sets costs several instructions per round).
+  const auto next_set = [](int offset) {
+    return offset + Ring::kRoundBytes == Ring::kStageBytes ? 0 : offset + Ring::kRoundBytes;
   };
-  int issue_stage = 0, read_stage = 0;
-  const auto issue = [&](int b) {  // called once per block, in order
-    if (b < b_end) {
-      const char* src = key_pool + int64_t{pages[b - b_begin]} * Shape::kPageBytes + threadIdx.x * 16;
-      char* dst = smem + issue_stage + copy_dst;
+  int issue_set = 0, read_set = 0;
+  const auto issue = [&](int first) {  // called once per round, in order
 #pragma unroll
-      for (int i = 0; i < kCopies; ++i) CpAsync16(dst + i * kRoundBytes, src + i * kRoundBytes);
-      if constexpr (Shape::kScaleChunks > 0) {
-        if (threadIdx.x < Shape::kScaleChunks) {
-          CpAsync16(dst - copy_dst + Shape::kRowsBytes + threadIdx.x * 16, src + Shape::kRowsBytes);
+    for (int j = 0; j < kRound; ++j) {
+      const int b = first + j;
+      if (b < b_end) {
+        const char* src = key_pool + int64_t{pages[b - b_begin]} * Shape::kPageBytes + threadIdx.x * 16;
+        char* page = smem + issue_set + j * Shape::kPageBytes;
+#pragma unroll
+        for (int i = 0; i < kCopies; ++i) CpAsync16(page + copy_dst + i * kCopyBytes, src + i * kCopyBytes);
+        if constexpr (Shape::kScaleChunks > 0) {
+          if (threadIdx.x < Shape::kScaleChunks) {
+            CpAsync16(page + Shape::kRowsBytes + threadIdx.x * 16, src + Shape::kRowsBytes);
+          }
         }
       }
     }
     CpAsyncCommit();  // empty groups past the end keep the wait count uniform
-    issue_stage = next_stage(issue_stage);
+    issue_set = next_set(issue_set);
   };
 #pragma unroll
-  for (int i = 0; i + 1 < kStages; ++i) issue(b_begin + i);
+  for (int r = 0; r + 1 < Ring::kRounds; ++r) issue(b_begin + r * kRound);
 
   uint32_t query_frags[NT][kSteps][2];
   int64_t col_pos[NT][2];
@@ -283,42 +310,55 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
     }
   }
 
-  // Per-warp maxima of the last two blocks: [2][8 warps][rows].
-  float* warp_maxima = reinterpret_cast<float*>(smem + Shape::kStageBytes + DecodePageIdBytes(p.chunk_blocks));
-  // Block `block`'s scores from its per-warp maxima (after a barrier that follows their writes): thread
-  // `col` < rows (at most 32) writes row col's score, for the blocks its token sees.
-  static_assert(NT * 8 <= kDecodeWarps * 32, "one thread per row flushes its scores");
-  const int flush_col = static_cast<int>(threadIdx.x);
-  const int flush_last_block =
-      flush_col < rows ? static_cast<int>((p0 + flush_col / num_heads) / kBlockSize) : -1;
-  float* const flush_scores =
-      flush_col < rows ? p.scores + score_offset + int64_t{flush_col} * visible_blocks : p.scores;
-  const auto flush = [&](int block) {
-    if (block <= flush_last_block) {
-      const float* maxima = warp_maxima + (block & 1) * kDecodeWarps * rows + flush_col;
-      float best = NaNf();
-#pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) best = MaxSkipNaN(best, maxima[w * rows]);
-      flush_scores[block] = best == best ? best : kEmptyScore;
+  // Per-warp maxima of the last two rounds: [2][8 warps][rows].
+  float* warp_maxima = reinterpret_cast<float*>(smem + Ring::kStageBytes + DecodePageIdBytes(p.chunk_blocks));
+  static_assert(NT * 8 <= 32, "one lane per row writes its scores");
+  // Scores of block `block` for row `col` (a lane's), where the row's token sees the block.
+  const auto write_score = [&](int block, int col, int64_t pos, float best) {
+    if (col < rows && block < b_end && block <= pos / kBlockSize) {
+      p.scores[score_offset + int64_t{col} * visible_blocks + block] = best == best ? best : kEmptyScore;
     }
   };
-  // ldmatrix source rows: lane l reads row 16 warp + 8 ((l >> 3) & 1) + (l & 7) at chunk
+  // Round `first`'s scores from its per-warp maxima (after a barrier that follows their writes):
+  // warp j flushes the round's block j, lane col its row col.
+  const int64_t lane_pos = lane < rows ? p0 + lane / num_heads : -1;
+  const auto flush = [&](int first, int its_parity) {
+    if (warp < kRound) {
+      const float* maxima = warp_maxima + (its_parity * kDecodeWarps + warp * WPB) * rows + lane;
+      float best = NaNf();
+      if (lane < rows) {
+#pragma unroll
+        for (int w = 0; w < WPB; ++w) best = MaxSkipNaN(best, maxima[w * rows]);
+      }
+      write_score(first + warp, lane, lane_pos, best);
+    }
+  };
+  // This warp's block in each round and its first tile of 16 tokens there.
+  const int round_block = warp / WPB;
+  const int first_tile = (warp % WPB) * Ring::kWarpTiles;
+  // ldmatrix source rows: lane l reads row 16 tile + 8 ((l >> 3) & 1) + (l & 7) at chunk
   // (l >> 4) of a chunk pair.
-  const int ld_row = warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+  const int ld_row0 = ((lane >> 3) & 1) * 8 + (lane & 7);
   const int ld_half = lane >> 4;
 
-  for (int b = b_begin; b < b_end; ++b) {
-    CpAsyncWait<kStages - 2>();
-    __syncthreads();  // block b staged for all; block b - 1's stage and maxima are done with
-    issue(b + kStages - 1);
-    if (b > b_begin) flush(b - 1);
-    const char* stage = smem + read_stage;
-    read_stage = next_stage(read_stage);
+  int parity = 0;
+  for (int first = b_begin; first < b_end; first += kRound, parity ^= 1) {
+    CpAsyncWait<Ring::kRounds - 2>();
+    __syncthreads();  // this round staged for all; the last round's set and maxima are done with
+    issue(first + (Ring::kRounds - 1) * kRound);
+    if (first > b_begin) flush(first - kRound, parity ^ 1);
+    const char* page = smem + read_set + round_block * Shape::kPageBytes;
+    read_set = next_set(read_set);
+    const int b = first + round_block;
     float row_max[NT][2];  // this warp's block maximum per query row
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) row_max[nt][0] = row_max[nt][1] = NaNf();
-    const int64_t tok = int64_t{b} * kBlockSize + warp * 16 + g;
-    if (int64_t{b} * kBlockSize + warp * 16 <= pos_max) {
+#pragma unroll(Ring::kWarpTiles > 2 ? 2 : Ring::kWarpTiles)
+    for (int tile = first_tile; tile < first_tile + Ring::kWarpTiles; ++tile) {
+      const int64_t tok = int64_t{b} * kBlockSize + tile * 16 + g;
+      if (b >= b_end || tok - g > pos_max) continue;
+      const char* stage = page;
+      const int ld_row = tile * 16 + ld_row0;
       float acc[NT][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
@@ -350,8 +390,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
         const unsigned char* scale_rows =
             reinterpret_cast<const unsigned char*>(stage) + Shape::kRowsBytes;
         Fp4ScaleRow<D> scales_g, scales_g8;
-        scales_g.Load(scale_rows + (warp * 16 + g) * (D / kFp4GroupSize));
-        scales_g8.Load(scale_rows + (warp * 16 + g + 8) * (D / kFp4GroupSize));
+        scales_g.Load(scale_rows + (tile * 16 + g) * (D / kFp4GroupSize));
+        scales_g8.Load(scale_rows + (tile * 16 + g + 8) * (D / kFp4GroupSize));
 #pragma unroll
         for (int kp = 0; kp < kSteps / 4; ++kp) {
           uint32_t r[4];
@@ -388,19 +428,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         if (unmasked) {
-          row_max[nt][0] = MaxSkipNaN(acc[nt][0], acc[nt][2]);
-          row_max[nt][1] = MaxSkipNaN(acc[nt][1], acc[nt][3]);
+          row_max[nt][0] = MaxSkipNaN(row_max[nt][0], MaxSkipNaN(acc[nt][0], acc[nt][2]));
+          row_max[nt][1] = MaxSkipNaN(row_max[nt][1], MaxSkipNaN(acc[nt][1], acc[nt][3]));
         } else {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const float lo = tok <= col_pos[nt][c] ? acc[nt][c] : NaNf();
             const float hi = tok + 8 <= col_pos[nt][c] ? acc[nt][2 + c] : NaNf();
-            row_max[nt][c] = MaxSkipNaN(lo, hi);
+            row_max[nt][c] = MaxSkipNaN(row_max[nt][c], MaxSkipNaN(lo, hi));
           }
-        }
-        if constexpr (S == KeyStorage::kFp4E2M1) {
-          row_max[nt][0] *= kFp4CodeFactor;  // exact: a power of two, far from fp32's limits
-          row_max[nt][1] *= kFp4CodeFactor;
         }
       }
     }
@@ -408,6 +444,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
+        if constexpr (S == KeyStorage::kFp4E2M1) {
+          row_max[nt][c] *= kFp4CodeFactor;  // exact: a power of two, far from fp32's limits
+        }
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) {
           row_max[nt][c] = MaxSkipNaN(row_max[nt][c], __shfl_xor_sync(0xffffffffu, row_max[nt][c], off));
@@ -415,20 +454,19 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, (NT >= 4 || D == 256) ? 1 :
       }
     }
     if (g == 0) {
-      float* maxima = warp_maxima + (b & 1) * kDecodeWarps * rows + warp * rows;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int col = nt * 8 + 2 * t + c;
-          if (col < rows) maxima[col] = row_max[nt][c];
+          if (col < rows) warp_maxima[(parity * kDecodeWarps + warp) * rows + col] = row_max[nt][c];
         }
       }
     }
   }
   CpAsyncWait<0>();
   __syncthreads();
-  if (b_end > b_begin) flush(b_end - 1);
+  if (b_end > b_begin) flush(b_begin + (b_end - b_begin - 1) / kRound * kRound, parity ^ 1);
   if (p.timeline != nullptr && threadIdx.x == 0) atomicMax(p.timeline + kTimelineStreamed, GlobalTimer());
   // The span's counter, by thread 0 between two barriers: its release publishes this CTA's scores
   // (ordered before it by the first barrier), its acquire makes every other CTA's visible to the

@@ -159,41 +159,65 @@ cudaError_t LaunchAppendKeysBatch(const AppendArgs* d_writes, int count, int64_t
   return err != cudaSuccess ? err : list.Enqueue(stream);
 }
 
+namespace {
+
+// DescribeDecodeSelect for one head_dim, storage and number of warps per block.
+template <int D, KeyStorage S, int WPB>
+cudaError_t DescribeDecodeWith(const DecodeParams& params, const DecodePlan& plan, int64_t topk_bytes,
+                               LaunchList* out) {
+  // Shared memory: the stage ring, the unit's page ids and the per-warp maxima of two rounds,
+  // reused for the top-k keys of the final selection.
+  const int64_t stream_bytes = DecodeRing<D, S, WPB>::kStageBytes + DecodePageIdBytes(plan.max_chunk_blocks) +
+                               int64_t{2} * kDecodeWarps * plan.max_rows * 4;
+  const int64_t smem = std::max<int64_t>(stream_bytes, topk_bytes);
+  DecodeParams sized;
+  std::memcpy(static_cast<void*>(&sized), &params, sizeof(sized));  // padding bytes too
+  sized.smem_keys = static_cast<int>(smem / 8 - kTopkWarps * kWarpCandidates);
+  const auto describe = [&](auto kernel) -> cudaError_t {
+    return Describe(kernel, dim3(static_cast<unsigned>(plan.total_units)), dim3(kDecodeWarps * 32), smem, out,
+                    sized);
+  };
+  const int n_tiles = (plan.max_rows + 7) / 8;
+  if (n_tiles <= 1) return describe(DecodeSelectKernel<D, S, 1, WPB>);
+  if (n_tiles <= 2) return describe(DecodeSelectKernel<D, S, 2, WPB>);
+  // head_dim 256 holds at most two n-tiles (MaxDecodeRows); the planner never sends more.
+  return describe(DecodeSelectKernel<D, S, (D == 256 ? 2 : 4), WPB>);
+}
+
+// The variants DecodeWarpsSupported names.
+template <int D, KeyStorage S>
+cudaError_t DescribeDecodeFor(const DecodeParams& params, const DecodePlan& plan, int64_t topk_bytes,
+                              LaunchList* out) {
+  if constexpr (S == KeyStorage::kFp4E2M1) {
+    if (plan.warps_per_block == 2) return DescribeDecodeWith<D, S, 2>(params, plan, topk_bytes, out);
+  }
+  if (plan.warps_per_block != kDecodeWarps) return cudaErrorInvalidValue;
+  return DescribeDecodeWith<D, S, kDecodeWarps>(params, plan, topk_bytes, out);
+}
+
+}  // namespace
+
 cudaError_t DescribeDecodeSelect(const SpanDesc* spans, const void* index, int num_spans, const DecodePlan& plan,
                                  KeyStorage storage, int head_dim, PageTableParams pt,
                                  float* scores, int* counters, LaunchList* out,
                                  unsigned long long* timeline) {
   if (num_spans == 0 || plan.total_units == 0) return cudaSuccess;
   if (plan.max_rows > MaxDecodeRows(head_dim)) return cudaErrorInvalidValue;
-  const int n_tiles = (plan.max_rows + 7) / 8;
   const int64_t topk_bytes = TopkSharedBytes(plan.max_visible_blocks);
+  // Zeroed first: padding bytes too, so that equal launches have equal argument bytes.
+  DecodeParams params;
+  std::memset(static_cast<void*>(&params), 0, sizeof(params));
+  params.spans = spans;
+  params.index = static_cast<const unsigned char*>(index);
+  params.num_spans = num_spans;
+  params.chunk_blocks = plan.max_chunk_blocks;
+  params.scores = scores;
+  params.counters = counters;
+  params.pt = pt;
+  params.timeline = timeline;
   return INDEXER_DISPATCH_HEAD_DIM(head_dim, D, [&] {
     return INDEXER_DISPATCH_STORAGE(storage, S, [&]() -> cudaError_t {
-      // Shared memory: the stage ring, the unit's page ids and the per-warp maxima of two blocks,
-      // reused for the top-k keys of the final selection.
-      const int64_t stream_bytes = DecodeShape<D, S>::kStageBytes + DecodePageIdBytes(plan.max_chunk_blocks) +
-                                   int64_t{2} * kDecodeWarps * plan.max_rows * 4;
-      const int64_t smem = std::max<int64_t>(stream_bytes, topk_bytes);
-      // Zeroed first: padding bytes too, so that equal launches have equal argument bytes.
-      DecodeParams params;
-      std::memset(static_cast<void*>(&params), 0, sizeof(params));
-      params.spans = spans;
-      params.index = static_cast<const unsigned char*>(index);
-      params.num_spans = num_spans;
-      params.chunk_blocks = plan.max_chunk_blocks;
-      params.scores = scores;
-      params.counters = counters;
-      params.pt = pt;
-      params.timeline = timeline;
-      params.smem_keys = static_cast<int>(smem / 8 - kTopkWarps * kWarpCandidates);
-      const auto describe = [&](auto kernel) -> cudaError_t {
-        return Describe(kernel, dim3(static_cast<unsigned>(plan.total_units)), dim3(kDecodeWarps * 32),
-                        smem, out, params);
-      };
-      if (n_tiles <= 1) return describe(DecodeSelectKernel<D, S, 1>);
-      if (n_tiles <= 2) return describe(DecodeSelectKernel<D, S, 2>);
-      // head_dim 256 holds at most two n-tiles (MaxDecodeRows); the planner never sends more.
-      return describe(DecodeSelectKernel<D, S, (D == 256 ? 2 : 4)>);
+      return DescribeDecodeFor<D, S>(params, plan, topk_bytes, out);
     });
   });
 }

@@ -21,7 +21,7 @@ void SelectBatch::WriteDevice(void* host) const {
 }
 
 SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
-                            int num_sms, int head_dim, KeyStorage storage, int decode_chunk_blocks) {
+                            int num_sms, int head_dim, KeyStorage storage, DecodeTuning tuning) {
   SelectBatch b;
   for (SpanPath want : {SpanPath::kDecode, SpanPath::kPrefill, SpanPath::kExact}) {
     for (size_t i = 0; i < spans.size(); ++i) {
@@ -32,8 +32,10 @@ SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vecto
     (want == SpanPath::kDecode ? b.n_decode : want == SpanPath::kPrefill ? b.n_prefill : b.n_exact) = n;
   }
   SpanDesc* d = b.descs.data();
-  const int chunk = decode_chunk_blocks > 0 ? decode_chunk_blocks : DecodeChunkBlocks(head_dim, storage);
+  const int chunk = tuning.chunk_blocks > 0 ? tuning.chunk_blocks : DecodeChunkBlocks(head_dim, storage);
   b.decode = PlanDecode(std::span<SpanDesc>(d, b.n_decode), num_sms, chunk);
+  b.decode.warps_per_block = tuning.warps_per_block > 0 ? tuning.warps_per_block
+                                                        : DecodeWarpsPerBlock(storage, b.decode.max_chunk_blocks);
   b.prefill = PlanPrefill(std::span<SpanDesc>(d + b.n_decode, b.n_prefill), PrefillRowTile(head_dim));
   b.exact = PlanPrefill(std::span<SpanDesc>(d + b.n_decode + b.n_prefill, b.n_exact), ExactRowTile(head_dim));
   return b;

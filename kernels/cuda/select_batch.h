@@ -29,12 +29,10 @@ struct SelectBatch {
 // DeviceBytes of any batch of `spans` spans, at most (for staging sized before the plan).
 inline size_t SelectBatchDeviceBytes(size_t spans) { return spans * sizeof(SpanDesc) + DecodeIndexBytes(spans); }
 
-// `spans` in the caller's order with their paths (ChoosePath); plans every group.
-// `decode_chunk_blocks` caps the blocks per decode CTA: 0 for DecodeChunkBlocks (the benchmark
-// varies it).
+// `spans` in the caller's order with their paths (ChoosePath); plans every group, the decode
+// group as `tuning` says where it sets a knob (the benchmark and the tests vary them).
 SelectBatch PlanSelectBatch(const std::vector<SpanDesc>& spans, const std::vector<SpanPath>& paths,
-                            int num_sms, int head_dim, KeyStorage storage,
-                            int decode_chunk_blocks = 0);
+                            int num_sms, int head_dim, KeyStorage storage, DecodeTuning tuning = {});
 
 // Describes the launches of the groups of `batch` (appended to *out, in stream order), whose
 // device image (WriteDevice) is at `d_descs`. `scores` holds

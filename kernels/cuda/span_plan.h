@@ -23,6 +23,7 @@ INDEXER_HD int MaxDecodeRows(int head_dim) { return head_dim == 256 ? 16 : 32; }
 struct DecodePlan {
   int32_t total_units = 0;
   int32_t max_chunk_blocks = 1;  // blocks per CTA
+  int32_t warps_per_block = 8;   // DecodeWarpsPerBlock: 1, 2, 4 or 8 of the CTA's 8 warps
   int64_t score_floats = 0;  // scratch size
   int32_t max_rows = 0;
   int32_t max_visible_blocks = 0;
@@ -36,6 +37,28 @@ INDEXER_HD int DecodeChunkBlocks(int head_dim, KeyStorage storage) {
   const int blocks = (512 * 1024) / page_bytes;
   return blocks < 4 ? 4 : (blocks > 64 ? 64 : blocks);
 }
+
+// Warps of a decode CTA that score one block together (decode_select.cuh), for units of
+// `chunk_blocks` blocks: eight, one 16-token tile each, for bf16 and fp8, which stream at the
+// memory's speed, and for short units, whose latency the split keeps low; fp4 keys cost more
+// instructions to decode than to stream, and two warps per block (four tiles each) spread the
+// per-block work over more tokens where units hold at least a round of four blocks.
+INDEXER_HD int DecodeWarpsPerBlock(KeyStorage storage, int chunk_blocks) {
+  return storage == KeyStorage::kFp4E2M1 && chunk_blocks >= 4 ? 2 : 8;
+}
+
+// Whether the decode kernel has a variant with `warps` warps per block for this storage: eight
+// for every storage, two for fp4 (the kernel also takes four, which docs/PERF.md measured slower
+// on long fp4 units; it is not built).
+INDEXER_HD constexpr bool DecodeWarpsSupported(KeyStorage storage, int warps) {
+  return warps == 8 || (warps == 2 && storage == KeyStorage::kFp4E2M1);
+}
+
+// The decode plan's knobs, for the benchmark and the tests; 0 leaves one to the planner.
+struct DecodeTuning {
+  int32_t chunk_blocks = 0;     // most blocks per CTA (DecodeChunkBlocks)
+  int32_t warps_per_block = 0;  // DecodeWarpsPerBlock; must be DecodeWarpsSupported
+};
 
 // Writes the decode index (span_desc.h) of `planned` (PlanDecode's output) into `out`
 // (DecodeIndexBytes bytes).

@@ -158,7 +158,7 @@ void StepStaging::Plan(std::span<const KeyWrite> writes, std::span<const StagedS
 
 std::optional<int32_t> StepStaging::WriteInputs(char* h, char* din, char* dout, PageRange pages,
                                                 WriteTarget target, int num_sms,
-                                                int decode_chunk_blocks) {
+                                                DecodeTuning tuning) {
   for (size_t i = 0; i < writes_.size(); ++i) {
     const KeyWrite& w = writes_[i];
     const WritePlace& p = write_places_[i];
@@ -232,7 +232,7 @@ std::optional<int32_t> StepStaging::WriteInputs(char* h, char* din, char* dout, 
     paths_[i] = spans_[i].path;
   }
   if (!spans_.empty()) {
-    batch_ = PlanSelectBatch(descs_, paths_, num_sms, head_dim_, storage_, decode_chunk_blocks);
+    batch_ = PlanSelectBatch(descs_, paths_, num_sms, head_dim_, storage_, tuning);
     batch_.WriteDevice(h);
   } else {
     batch_ = SelectBatch{};

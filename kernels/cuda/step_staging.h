@@ -73,12 +73,11 @@ class StepStaging {
 
   // Fills `host_in` (input_bytes) with the inputs for an input buffer at `device_in` and an
   // output buffer at `device_out`, and plans the selection batch over `num_sms`
-  // multiprocessors (decode CTAs of at most `decode_chunk_blocks` blocks: 0 for the default,
-  // PlanSelectBatch). Returns the first block-table page id outside `pages` (nothing staged is
-  // then usable), or nullopt.
+  // multiprocessors (PlanSelectBatch, with `tuning`). Returns the first block-table page id
+  // outside `pages` (nothing staged is then usable), or nullopt.
   std::optional<int32_t> WriteInputs(char* host_in, char* device_in, char* device_out,
                                      PageRange pages, WriteTarget target, int num_sms,
-                                     int decode_chunk_blocks = 0);
+                                     DecodeTuning tuning = {});
 
   // The device image's parts, for callers that launch one selector themselves (the benchmark):
   // the descriptors at `device_in`, the decode index after them.

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/cuda/cuda_backend.h"
@@ -94,7 +95,8 @@ class GpuSelectTest : public GpuTest {
     ASSERT_TRUE(in.Allocate(std::max<size_t>(staging.input_bytes(), 16)).ok());
     ASSERT_TRUE(out.Allocate(out_bytes).ok());
     ASSERT_EQ(staging.WriteInputs(host_in.get<char>(), in.get<char>(), out.get<char>(),
-                                  kernels::cuda::PageRange{0, c.num_pages}, {}, sms),
+                                  kernels::cuda::PageRange{0, c.num_pages}, {}, sms,
+                                  kernels::cuda::DecodeTuning{0, c.decode_warps}),
               std::nullopt);
     ASSERT_TRUE(scores.Allocate(staging.ScoreFloats() * 4).ok());
     ASSERT_TRUE(counters.Allocate(staging.DecodeCounters() * 4).ok());
@@ -518,6 +520,27 @@ TEST_F(GpuSelectTest, Fp4TiesAndMixedBatchesOnEveryPath) {
   }
 }
 
+// fp4 decode with both numbers of warps per block (DecodeWarpsSupported) on units of many blocks:
+// rounds cut short by units and spans, rows masked within a tile, one to four n-tiles, ties on
+// integer inputs and real values, every head_dim.
+TEST_F(GpuSelectTest, Fp4DecodeRoundsWithEveryNumberOfWarpsPerBlock) {
+  for (int d : {64, 128, 256}) {
+    for (int warps : {2, 8}) {
+      for (Values values : {Values::kIntegers, Values::kReal}) {
+        SCOPED_TRACE("head_dim " + std::to_string(d) + ", " + std::to_string(warps) + " warps per block");
+        PoolCase c;
+        c.storage = KeyStorage::kFp4E2M1;
+        c.head_dim = d;
+        c.values = values;
+        c.decode_warps = warps;
+        for (int i = 0; i < 24; ++i) c.spans.push_back(RandomSpan(16000, 8, d == 256 ? 16 : 32));
+        Run(c, Path::kAuto, 1);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
 // The append kernel stores exactly the bytes kernels::StoreKey stores, for every storage: keys of
 // many magnitudes (saturated and subnormal fp4 scales), exact ties between fp4 codes, zero groups.
 TEST_F(GpuSelectTest, AppendKernelStoresWhatTheCpuStores) {
@@ -577,10 +600,12 @@ TEST_F(GpuSelectTest, AppendKernelStoresWhatTheCpuStores) {
 
 // A short, fixed set run under compute-sanitizer (memcheck and racecheck) by scripts/gpu_check.sh.
 TEST_F(GpuSelectTest, SanitizerSmall) {
-  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
+  for (auto [st, warps] : {std::pair{KeyStorage::kBf16, 8}, std::pair{KeyStorage::kFp8E4M3, 8},
+                           std::pair{KeyStorage::kFp4E2M1, 2}, std::pair{KeyStorage::kFp4E2M1, 8}}) {
     PoolCase c;
     c.storage = st;
     c.values = Values::kIntegers;
+    c.decode_warps = warps;  // fp4: both decode variants (DecodeWarpsSupported)
     // 65600 tokens: two rows of 513 blocks, the decode selector's threshold pass with two warps
     // per row; 40000 tokens with 6 heads: one warp per row; 70000 tokens with one head: one row
     // of 547 blocks padded to 1024.

@@ -43,6 +43,7 @@ struct PoolCase {
   int64_t num_pages = 0;
   std::vector<uint8_t> pool;  // num_pages pages as kernels::StoreKey writes them
   float max_abs_key = 0.0f;   // over the keys written (not the garbage past sequence ends)
+  int decode_warps = 0;       // when set, the decode plan's warps per block (DecodeTuning)
 };
 
 // A span of 1 to max_len tokens with 1 to max_n query tokens, heads up to max_rows rows in all,

@@ -32,6 +32,26 @@ TEST(DecodeChunkBlocksTest, HalfAMegabyteOfKeysPerCta) {
   EXPECT_EQ(28, DecodeChunkBlocks(256, KeyStorage::kFp4E2M1));
 }
 
+// Fewer warps per block only for fp4 units of a round of four blocks or more; every choice has
+// a kernel variant.
+TEST(DecodeWarpsPerBlockTest, TwoForLongFp4UnitsEightOtherwise) {
+  using kernels::cuda::DecodeWarpsPerBlock;
+  using kernels::cuda::DecodeWarpsSupported;
+  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3}) {
+    for (int chunk : {1, 4, 64}) EXPECT_EQ(8, DecodeWarpsPerBlock(st, chunk));
+  }
+  EXPECT_EQ(8, DecodeWarpsPerBlock(KeyStorage::kFp4E2M1, 1));
+  EXPECT_EQ(8, DecodeWarpsPerBlock(KeyStorage::kFp4E2M1, 3));
+  EXPECT_EQ(2, DecodeWarpsPerBlock(KeyStorage::kFp4E2M1, 4));
+  EXPECT_EQ(2, DecodeWarpsPerBlock(KeyStorage::kFp4E2M1, 56));
+  for (KeyStorage st : {KeyStorage::kBf16, KeyStorage::kFp8E4M3, KeyStorage::kFp4E2M1}) {
+    for (int chunk : {1, 4, 64}) EXPECT_TRUE(DecodeWarpsSupported(st, DecodeWarpsPerBlock(st, chunk)));
+    for (int warps : {0, 1, 3, 4}) EXPECT_FALSE(DecodeWarpsSupported(st, warps));
+  }
+  EXPECT_FALSE(DecodeWarpsSupported(KeyStorage::kBf16, 2));
+  EXPECT_FALSE(DecodeWarpsSupported(KeyStorage::kFp8E4M3, 2));
+}
+
 // fp4 takes the decode selector's f16 products like fp8: queries outside f16 go exact; its
 // overflow bound counts stored values up to 1/16 above the largest key written, at most 2688.
 TEST(ChoosePathTest, Fp4KeysAndTheirBounds) {

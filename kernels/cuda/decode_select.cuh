@@ -171,8 +171,8 @@ struct DecodeShape {
 };
 
 // The stage ring of a decode CTA whose blocks take WPB warps each: whole rounds of
-// kRoundBlocks pages (one per block a round scores). While a round is scored the next rounds
-// stream in: at least as many pages as kBaseStages keeps in flight with eight warps per block.
+// kRoundBlocks pages (one per block a round scores). While one round is scored the others stream
+// in: at least the kBaseStages - 1 pages that eight warps per block keep in flight.
 template <int D, KeyStorage S, int WPB>
 struct DecodeRing {
   static_assert(WPB == 2 || WPB == 4 || WPB == 8, "warps per block: a divisor of the CTA's 8, more than one");

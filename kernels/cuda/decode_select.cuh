@@ -183,8 +183,9 @@ struct DecodeRing {
   static constexpr int kRoundBytes = kRoundBlocks * Shape::kPageBytes;
   static constexpr int kStageBytes = kRounds * kRoundBytes;
   static_assert(kStageBytes >= kRegisterTopKSmemBytes, "the register top-k's buffers fit the stages");
-  // Two CTAs per multiprocessor where shared memory allows (228 KB per multiprocessor).
-  static constexpr int kMinCtas = kStageBytes > 112 * 1024 ? 1 : 2;
+  // Two CTAs per multiprocessor where shared memory allows: 228 KB per multiprocessor, less each
+  // CTA's page ids, maxima, static variables and 1 KB reserve, leaves about 109 KB of stages.
+  static constexpr int kMinCtas = kStageBytes > 108 * 1024 ? 1 : 2;
 };
 
 // WPB warps per block (DecodeRing); two CTAs per multiprocessor where registers and shared

@@ -23,7 +23,7 @@ INDEXER_HD int MaxDecodeRows(int head_dim) { return head_dim == 256 ? 16 : 32; }
 struct DecodePlan {
   int32_t total_units = 0;
   int32_t max_chunk_blocks = 1;  // blocks per CTA
-  int32_t warps_per_block = 8;   // DecodeWarpsPerBlock: 1, 2, 4 or 8 of the CTA's 8 warps
+  int32_t warps_per_block = 8;   // DecodeWarpsPerBlock: 2 or 8 of the CTA's 8 (DecodeWarpsSupported)
   int64_t score_floats = 0;  // scratch size
   int32_t max_rows = 0;
   int32_t max_visible_blocks = 0;
